@@ -1,0 +1,20 @@
+"""clef-gguf: Cloudflare's Clef decision models on a GGUF language tower + a PyTorch joint head.
+
+    from clef_gguf import Clef
+    clef = Clef.load("path/to/model-dir")
+    clef.decide({"state": "...", "questions": {"urgent": {"type": "noul"}}})
+"""
+
+from clef_gguf.errors import ClefError
+
+__version__ = "0.1.0"
+__all__ = ["Clef", "ClefError", "__version__"]
+
+
+def __getattr__(name: str):
+    # Lazy: `import clef_gguf.errors` (or the CLI's --help) should not load torch and llama.cpp.
+    if name == "Clef":
+        from clef_gguf.runtime import Clef
+
+        return Clef
+    raise AttributeError(f"module 'clef_gguf' has no attribute {name!r}")

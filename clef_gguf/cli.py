@@ -1,0 +1,132 @@
+"""``clef-gguf``: one sub-command per job. The table below is the whole command surface.
+
+Errors print ``{"error": {"code", "message", "field"}}`` on stdout: exit 2 for a bad request
+(invalid, or too long for the window) or bad arguments, 1 for anything else (missing or corrupt
+model files, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+from pathlib import Path
+
+from clef_gguf import __version__, errors
+
+# name -> (module, add-arguments function, run function, one-line help)
+COMMANDS = {
+    "decide": ("clef_gguf.cli", "add_decide_arguments", "run_decide",
+               "answer one SystemOne request (JSON file or stdin) and print the response"),
+    "demo": ("clef_gguf.convert.cli", "add_demo_arguments", "run_demo",
+             "build a tiny RANDOM-weight Clef release offline and convert it (pipeline demo)"),
+    "convert": ("clef_gguf.convert.cli", "add_convert_arguments", "run_convert",
+                "convert a Hugging Face Clef release directory to a tower GGUF + head files"),
+}
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """Model-selection flags shared by every command that loads a model."""
+    g = p.add_argument_group("model")
+    g.add_argument("--model", "-m", help="a converted model directory, a .gguf next to its head "
+                   "files, or a catalog name such as clef-flash:Q4_K_M / clef-flash:auto")
+    g.add_argument("--gguf", help="tower GGUF path (overrides the directory's)")
+    g.add_argument("--head", help="joint_head.safetensors path")
+    g.add_argument("--head-config", help="joint_head_config.json path")
+    g.add_argument("--tokenizer", help="tokenizer.json path")
+    g.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for the tower (default: all cores available to this process)")
+    g.add_argument("--max-length", type=int, default=16384,
+                   help="prompt window in tokens (reference: 16384); longer requests are refused")
+    g.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                   help="head precision: fp32 (default) or bf16 (the reference's numerics)")
+    g.add_argument("--offline", action="store_true",
+                   help="never download: catalog names resolve from the local cache only")
+
+
+def load_model(args: argparse.Namespace):
+    from clef_gguf.runtime import Clef
+
+    return Clef.load(args.model, gguf=args.gguf, head=args.head, head_config=args.head_config,
+                     tokenizer=args.tokenizer, threads=args.threads, max_length=args.max_length,
+                     precision=args.precision, allow_download=not args.offline)
+
+
+def add_decide_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p)
+    p.add_argument("--request", "-r", default="-",
+                   help="request JSON file, or - for stdin (default)")
+    p.add_argument("--truncate-state", action="store_true",
+                   help="cut an over-long state to fit the window (the response then carries "
+                        '"truncated": true) instead of refusing the request')
+    p.add_argument("--timings", action="store_true",
+                   help="print the time per stage (encode/tower/lexical/head, ms) on stderr")
+
+
+def read_request(source: str):
+    try:
+        text = sys.stdin.read() if source == "-" else Path(source).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise errors.InvalidValue(f"cannot read the request: {exc.strerror}: {source}",
+                                  field="request") from None
+    try:
+        return json.loads(text)  # Python's json keeps int/float apart and key order
+    except json.JSONDecodeError as exc:
+        raise errors.InvalidValue(f"the request is not valid JSON: {exc}", field="request") from None
+
+
+def run_decide(args: argparse.Namespace) -> int:
+    request = read_request(args.request)
+    with load_model(args) as clef:
+        prepared = clef.prepare(request, truncate_state=args.truncate_state)
+        response, timings = clef.run(prepared)
+    print(json.dumps(response, ensure_ascii=False, indent=2))
+    if args.timings:
+        print(json.dumps({"timings_ms": timings}), file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="clef-gguf", description="Clef decision models on a GGUF tower + PyTorch joint head.")
+    parser.add_argument("--version", action="version", version=f"clef-gguf {__version__}")
+    parser.add_argument("--verbose", "-v", action="store_true", help="log llama.cpp and load details")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of internal errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module, add, run, help_) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        mod = importlib.import_module(module)
+        getattr(mod, add)(p)
+        p.set_defaults(_run=getattr(mod, run))
+    return parser
+
+
+def _fail(error: errors.ClefError) -> int:
+    print(json.dumps(error.to_dict(), ensure_ascii=False))
+    print(f"clef-gguf: {error}", file=sys.stderr)
+    return 2 if error.status in (413, 422) else 1  # the request's fault vs the model's
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if not args.verbose:
+        logging.getLogger("clef_gguf.llama").setLevel(logging.ERROR)
+    try:
+        return int(args._run(args) or 0)
+    except errors.ClefError as exc:
+        return _fail(exc)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # a bug, not a user error: say so without a wall of traceback
+        if args.debug:
+            raise
+        return _fail(errors.ClefError(f"internal error: {type(exc).__name__}: {exc} "
+                                      "(run with --debug for the traceback)"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""Lexical rows: lm_head rows of option-span tokens, read straight from the GGUF.
+
+The head averages ``lm_head.weight[x_t]`` over each option's tokens (spec §4 B). We read only the
+rows we need from the memory-mapped ``output.weight`` (``token_embd.weight`` only when the model
+is tied and has no ``output.weight``), dequantize them to float32 and cache them by token id:
+the full vocab x hidden table would be ~4 GB in float32 for Clef-Flash.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from clef_gguf.errors import CorruptModel, ModelNotFound
+
+OUTPUT, TIED = "output.weight", "token_embd.weight"
+
+
+def open_gguf(path: str | Path) -> gguf.GGUFReader:
+    """Parse a GGUF's header and tensor table (mmap); a truncated or foreign file -> CorruptModel."""
+    path = Path(path)
+    if not path.is_file():
+        raise ModelNotFound(f"GGUF file not found: {path}", field="tower")
+    try:
+        return gguf.GGUFReader(path, "r")
+    except (ValueError, OSError, IndexError, KeyError, TypeError) as exc:
+        raise CorruptModel(f"{path} is not a readable GGUF file ({exc})", field="tower") from None
+
+
+def field_value(reader: gguf.GGUFReader, key: str, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def file_type_name(reader: gguf.GGUFReader) -> str:
+    """``general.file_type`` as a quant label (``q8_0``, ``q4_k_m``, ``f32``...)."""
+    ft = field_value(reader, "general.file_type")
+    if ft is None:
+        return "unknown"
+    try:
+        name = gguf.LlamaFileType(int(ft)).name
+    except ValueError:
+        return f"ftype_{ft}"
+    return name.replace("MOSTLY_", "").replace("ALL_", "").lower()
+
+
+# ---------------------------------------------------------------- ggml's own dequantizer
+class _TypeTraits(ctypes.Structure):
+    _fields_ = [("type_name", ctypes.c_char_p), ("blck_size", ctypes.c_int64),
+                ("blck_size_interleave", ctypes.c_int64), ("type_size", ctypes.c_size_t),
+                ("is_quantized", ctypes.c_bool), ("to_float", ctypes.c_void_p),
+                ("from_float_ref", ctypes.c_void_p)]
+
+
+_TO_FLOAT = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.POINTER(ctypes.c_float), ctypes.c_int64)
+
+
+def _libggml_base() -> ctypes.CDLL:
+    # Already loaded by libllama; CDLL returns the same handle. Its directory is llama-cpp-python's.
+    from llama_cpp import _ggml
+
+    for name in ("libggml-base.so", "libggml-base.dylib", "ggml-base.dll"):
+        path = _ggml.libggml_base_path / name
+        if path.exists():
+            return ctypes.CDLL(str(path))
+    raise CorruptModel(f"libggml-base not found in {_ggml.libggml_base_path}")
+
+
+def _ggml_to_float(raw: np.ndarray, type_id: int, n_cols: int) -> np.ndarray:
+    """Dequantize with ggml's routine, for types gguf-py has no numpy code for (Q1_0, Q2_0...)."""
+    lib = _libggml_base()
+    lib.ggml_get_type_traits.restype = ctypes.POINTER(_TypeTraits)
+    lib.ggml_get_type_traits.argtypes = [ctypes.c_int]
+    traits = lib.ggml_get_type_traits(type_id).contents
+    if not traits.to_float:
+        raise CorruptModel(f"ggml has no dequantizer for tensor type {type_id}")
+    raw = np.ascontiguousarray(raw)
+    out = np.empty((raw.shape[0], n_cols), dtype=np.float32)
+    _TO_FLOAT(traits.to_float)(raw.ctypes.data, out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
+                               out.size)
+    return out
+
+
+class LexicalRows:
+    """``rows(token_ids) -> float32 [n, H]`` with a per-token cache (thread-safe)."""
+
+    def __init__(self, reader: gguf.GGUFReader):
+        tensors = {t.name: t for t in reader.tensors}
+        tensor = tensors.get(OUTPUT) or tensors.get(TIED)
+        if tensor is None:
+            raise CorruptModel(f"{reader.data.filename if hasattr(reader.data, 'filename') else 'GGUF'}"
+                               f" has neither {OUTPUT} nor {TIED}", field="tower")
+        self.tensor_name = tensor.name
+        self.type = gguf.GGMLQuantizationType(tensor.tensor_type)
+        self.hidden_size, self.vocab_size = (int(x) for x in tensor.shape[:2])  # ggml order
+        self._data = tensor.data
+        self._cache: dict[int, np.ndarray] = {}
+        self._lock = threading.Lock()
+
+    def _dequantize(self, ids: np.ndarray) -> np.ndarray:
+        raw = np.asarray(self._data[ids])
+        if self.type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            return raw.astype(np.float32).reshape(len(ids), self.hidden_size)
+        try:
+            rows = gguf.quants.dequantize(raw, self.type)
+        except NotImplementedError:
+            rows = _ggml_to_float(raw, int(self.type), self.hidden_size)
+        return np.asarray(rows, dtype=np.float32).reshape(len(ids), self.hidden_size)
+
+    def rows(self, token_ids: np.ndarray) -> np.ndarray:
+        token_ids = np.asarray(token_ids, dtype=np.int64)
+        if token_ids.size and (token_ids.min() < 0 or token_ids.max() >= self.vocab_size):
+            raise CorruptModel(f"token id {int(token_ids.max())} is outside {self.tensor_name} "
+                               f"({self.vocab_size} rows)")
+        with self._lock:
+            missing = np.unique([t for t in token_ids.tolist() if t not in self._cache])
+            if missing.size:
+                for tid, row in zip(missing.tolist(), self._dequantize(missing)):
+                    self._cache[tid] = row
+            if token_ids.size == 0:
+                return np.zeros((0, self.hidden_size), dtype=np.float32)
+            return np.stack([self._cache[t] for t in token_ids.tolist()])

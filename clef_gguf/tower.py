@@ -1,0 +1,213 @@
+"""The language tower in llama.cpp: final hidden states (after the last RMSNorm) of every token.
+
+Thin ctypes wrappers over llama-cpp-python's low-level API, each owning its resource. We do not
+use ``Llama``/``embed()``: it builds Python lists, forces 256 recurrent-state slots (~12 GiB for
+the 9B) and runs the 248K-row lm_head for every token. Instead the staging API
+``llama_set_embeddings_nextn(ctx, true, false)`` hands back the post-``output_norm`` state of
+every token while the lm_head runs for one row only (llama-cpp-notes.md §1).
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import logging
+import os
+import threading
+from pathlib import Path
+
+import llama_cpp as ll
+import numpy as np
+
+from clef_gguf.errors import CorruptModel, InferenceError, ModelNotFound
+
+log = logging.getLogger("clef_gguf.llama")
+
+# ---------------------------------------------------------------- llama.cpp log capture
+# llama.cpp reports load failures only through its log; keep the tail to put it in our errors.
+# ggml levels: 1 debug, 2 info, 3 warn, 4 error, 5 continues the previous line. Info is chatty
+# (every load prints ~100 lines), so it goes to DEBUG.
+_LOG_TAIL: collections.deque[tuple[int, str]] = collections.deque(maxlen=40)
+_LEVELS = {1: logging.DEBUG, 2: logging.DEBUG, 3: logging.WARNING, 4: logging.ERROR}
+_last_level = [1]
+
+
+@ll.llama_log_callback
+def _on_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
+    if level == 5:
+        level = _last_level[0]
+    _last_level[0] = level
+    line = text.decode("utf-8", "replace")
+    _LOG_TAIL.append((level, line))
+    log.log(_LEVELS.get(level, logging.DEBUG), "%s", line.rstrip())
+
+
+ll.llama_log_set(_on_log, ctypes.c_void_p(0))
+ll.llama_backend_init()
+
+
+def _log_errors() -> str:
+    lines = [text.strip() for level, text in _LOG_TAIL if level >= 3 and text.strip()]
+    return "; ".join(lines[-4:])
+
+
+# ---------------------------------------------------------------- staging API binding
+def _bind(names: tuple[str, ...], argtypes: list, restype):
+    """The nextn functions are exported only under C++-mangled names in 0.3.36."""
+    for name in names:
+        fn = getattr(ll.llama_cpp._lib, name, None)
+        if fn is not None:
+            fn.argtypes, fn.restype = argtypes, restype
+            return fn
+    return None
+
+
+_set_nextn = _bind(("llama_set_embeddings_nextn", "_Z26llama_set_embeddings_nextnP13llama_contextbb"),
+                   [ctypes.c_void_p, ctypes.c_bool, ctypes.c_bool], None)
+_get_nextn = _bind(("llama_get_embeddings_nextn", "_Z26llama_get_embeddings_nextnP13llama_context"),
+                   [ctypes.c_void_p], ctypes.POINTER(ctypes.c_float))
+
+
+def default_threads() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+class _Model:
+    """Owns a ``llama_model*`` loaded with mmap, CPU only."""
+
+    def __init__(self, path: Path):
+        params = ll.llama_model_default_params()
+        params.load_mode = ll.LLAMA_LOAD_MODE_MMAP
+        params.n_gpu_layers = 0
+        _LOG_TAIL.clear()
+        self.ptr = ll.llama_model_load_from_file(str(path).encode(), params)
+        if not self.ptr:
+            detail = _log_errors() or "llama.cpp gave no reason"
+            raise CorruptModel(f"llama.cpp could not load {path}: {detail}", field="tower")
+        self.n_embd = int(ll.llama_model_n_embd(self.ptr))
+        self.n_vocab = int(ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(self.ptr)))
+        self.n_ctx_train = int(ll.llama_model_n_ctx_train(self.ptr))
+
+    def close(self) -> None:
+        if self.ptr:
+            ll.llama_model_free(self.ptr)
+            self.ptr = None
+
+
+class _Context:
+    """Owns a ``llama_context*`` for one sequence: one recurrent slot, no lm_head over the prompt."""
+
+    def __init__(self, model: _Model, n_ctx: int, n_batch: int, threads: int):
+        params = ll.llama_context_default_params()
+        params.n_ctx = n_ctx
+        params.n_batch = n_batch
+        params.n_ubatch = n_batch  # fixed: GDN chunking makes results depend slightly on it
+        params.n_seq_max = 1  # one recurrent-state slot (~50 MiB for the 9B), not 256
+        params.n_threads = params.n_threads_batch = threads
+        params.pooling_type = ll.LLAMA_POOLING_TYPE_NONE
+        params.attention_type = ll.LLAMA_ATTENTION_TYPE_CAUSAL
+        self.nextn = _set_nextn is not None and _get_nextn is not None
+        # Fallback when the staging API is missing: embeddings mode (pays the lm_head per token).
+        params.embeddings = not self.nextn
+        # nextn: only the last token of a chunk is an output (1 lm_head row). Embeddings mode makes
+        # every token an output, and a smaller n_outputs_max there aborts the process.
+        params.n_outputs_max = 1 if self.nextn else 0
+        _LOG_TAIL.clear()
+        self.ptr = ll.llama_init_from_model(model.ptr, params)
+        if not self.ptr:
+            raise InferenceError(f"llama.cpp could not create a context: {_log_errors()}")
+        if self.nextn:
+            _set_nextn(self.ptr, True, False)  # masked=False: every token, whatever batch.logits
+        self.n_ctx = int(ll.llama_n_ctx(self.ptr))
+        self.n_batch = int(ll.llama_n_batch(self.ptr))
+
+    def rows(self, n: int, n_embd: int) -> np.ndarray:
+        ptr = _get_nextn(self.ptr) if self.nextn else ll.llama_get_embeddings(self.ptr)
+        if not ptr:
+            raise InferenceError("llama.cpp returned no hidden states")
+        # A view into llama.cpp's output buffer, valid until the next decode: copy it out.
+        return np.ctypeslib.as_array(ptr, shape=(n, n_embd)).copy()
+
+    def close(self) -> None:
+        if self.ptr:
+            ll.llama_free(self.ptr)
+            self.ptr = None
+
+
+class Tower:
+    """``hidden_states(ids) -> float32 [T, n_embd]`` for one prompt at a time (thread-safe)."""
+
+    def __init__(self, model: _Model, ctx: _Context, path: Path):
+        self._model, self._ctx, self.path = model, ctx, path
+        self._lock = threading.Lock()
+
+    @classmethod
+    def load(cls, path: str | Path, *, n_ctx: int = 16384, threads: int | None = None,
+             n_batch: int = 512) -> Tower:
+        path = Path(path)
+        if not path.is_file():
+            raise ModelNotFound(f"GGUF file not found: {path}", field="tower")
+        model = _Model(path)
+        try:
+            ctx = _Context(model, n_ctx, min(n_batch, n_ctx), threads or default_threads())
+        except BaseException:
+            model.close()
+            raise
+        return cls(model, ctx, path)
+
+    @property
+    def n_embd(self) -> int:
+        return self._model.n_embd
+
+    @property
+    def n_vocab(self) -> int:
+        return self._model.n_vocab
+
+    @property
+    def n_ctx(self) -> int:
+        return self._ctx.n_ctx
+
+    @property
+    def uses_nextn(self) -> bool:
+        return self._ctx.nextn
+
+    def hidden_states(self, ids: np.ndarray) -> np.ndarray:
+        ids = np.ascontiguousarray(ids, dtype=np.int32)
+        n = int(ids.shape[0])
+        if n == 0 or n > self.n_ctx:
+            raise InferenceError(f"a prompt of {n} tokens does not fit the context of {self.n_ctx}")
+        if ids.min() < 0 or ids.max() >= self.n_vocab:
+            # llama.cpp would reject these, and some vocab calls abort the process on them.
+            raise InferenceError(f"token id {int(ids.max())} is outside the GGUF vocab "
+                                 f"of {self.n_vocab}")
+        out = np.empty((n, self.n_embd), dtype=np.float32)
+        step = self._ctx.n_batch
+        with self._lock:
+            if self._ctx.ptr is None:
+                raise InferenceError("the tower is closed")
+            ll.llama_memory_clear(ll.llama_get_memory(self._ctx.ptr), True)
+            # Chunked decodes carry the recurrent and KV state over, so a long prompt never meets
+            # llama.cpp's per-call n_batch assert (which aborts instead of returning an error).
+            for start in range(0, n, step):
+                chunk = ids[start:start + step]
+                batch = ll.llama_batch_get_one(
+                    chunk.ctypes.data_as(ctypes.POINTER(ll.llama_token)), len(chunk))
+                rc = ll.llama_decode(self._ctx.ptr, batch)
+                if rc != 0:
+                    raise InferenceError(f"llama_decode failed with code {rc}: {_log_errors()}")
+                out[start:start + len(chunk)] = self._ctx.rows(len(chunk), self.n_embd)
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            self._ctx.close()
+            self._model.close()
+
+    def __enter__(self) -> Tower:
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self.close()

@@ -1,0 +1,230 @@
+"""Reading, writing and fabricating joint heads.
+
+The release ships ``joint_head_config.json`` (exactly the constructor's keyword arguments) and
+``joint_head.safetensors`` (122 bf16 tensors). The reference loads both strictly; so does ``load_head``, and it
+turns every way those files can be wrong into a ``ModelLoadError`` subclass instead of a Python traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from clef_gguf.errors import CorruptModel, HeadMismatch, ModelNotFound
+from clef_gguf.files import HEAD_CONFIG, HEAD_WEIGHTS
+from clef_gguf.heads.joint import JointSchemaHead
+
+# The constructor's keyword arguments, in the order the release config lists them.
+CONFIG_KEYS = ("hidden_size", "width", "routing_layers", "layers", "heads", "feedforward")
+# The constructor also takes dropout; it is accepted in a config and ignored (inference never drops out).
+OPTIONAL_KEYS = ("dropout",)
+SCALARS = ("prior_logit_scale", "joint_logit_scale", "residual_gate")
+# Float8 and integer tensors are not a head the reference could have saved.
+WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+# How many offending names an error message lists before "... and N more".
+SHOWN = 5
+
+
+def check_config(config: object, source: str = HEAD_CONFIG) -> dict[str, int]:
+    """The six head sizes of ``config`` as ints; HeadMismatch naming the key on anything else.
+
+    The reference builds ``JointSchemaHead(**config)``, so an unknown key is a different model, not noise.
+    """
+    if not isinstance(config, Mapping):
+        raise HeadMismatch(f"{source} must be a JSON object, got {type(config).__name__}", field="head_config")
+    unexpected = [key for key in config if key not in CONFIG_KEYS and key not in OPTIONAL_KEYS]
+    if unexpected:
+        raise HeadMismatch(f"{source} has unexpected key(s): {_names(unexpected)}", field="head_config")
+    missing = [key for key in CONFIG_KEYS if key not in config]
+    if missing:
+        raise HeadMismatch(f"{source} is missing key(s): {_names(missing)}", field="head_config")
+    sizes: dict[str, int] = {}
+    for key in CONFIG_KEYS:
+        value = config[key]
+        # bool is an int subclass in Python; `true` is no layer count.
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise HeadMismatch(f"{source}: {key} must be an integer, got {value!r}", field="head_config")
+        # Zero routing or decoder blocks is a degenerate but constructible head; zero sizes are not.
+        least = 0 if key in ("routing_layers", "layers") else 1
+        if value < least:
+            raise HeadMismatch(f"{source}: {key} must be >= {least}, got {value}", field="head_config")
+        sizes[key] = value
+    dropout = config.get("dropout", 0.0)
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        raise HeadMismatch(f"{source}: dropout must be a number in [0, 1), got {dropout!r}", field="head_config")
+    if sizes["width"] % sizes["heads"]:
+        raise HeadMismatch(
+            f"{source}: width {sizes['width']} is not divisible by heads {sizes['heads']}", field="head_config"
+        )
+    return sizes
+
+
+def read_head_config(path: str | Path) -> dict[str, int]:
+    """Parse and check ``joint_head_config.json``."""
+    path = Path(path)
+    if not path.is_file():
+        raise ModelNotFound(f"head config not found: {path}", field="head_config")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CorruptModel(f"cannot read head config {path}: {error}", field="head_config") from error
+    return check_config(config, source=path.name)
+
+
+def parameter_count(config: Mapping) -> int:
+    """Number of head parameters for a config, from the §1.2 shapes (Flash: 121,762,820)."""
+    sizes = check_config(config, source="config")
+    hidden, width, feedforward = sizes["hidden_size"], sizes["width"], sizes["feedforward"]
+    attention = 4 * width * width + 4 * width  # packed q/k/v in-projection plus out-projection, with biases
+    mlp = 2 * width * feedforward + feedforward + width
+    top = (
+        2 * hidden  # hidden_norm
+        + 6 * width * hidden  # the six bias-free projections
+        + 3 * width  # type_embedding
+        + 3 * 2 * width  # option_summary_norm, field_norm, option_norm
+        + (4 * width * width + width) + (width + 1)  # residual_scorer.0 and .3
+        + len(SCALARS)
+    )
+    routing = 3 * 2 * width + attention + mlp
+    decoder = 3 * 2 * width + 2 * attention + mlp
+    return top + sizes["routing_layers"] * routing + sizes["layers"] * decoder
+
+
+def load_head(
+    config_path: str | Path,
+    weights_path: str | Path,
+    *,
+    hidden_size: int | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> JointSchemaHead:
+    """Build the head from its config and load the weights strictly; cast to ``dtype``, eval mode.
+
+    ``hidden_size`` is the tower's n_embd; a head trained for another tower is refused. Use
+    ``dtype=torch.bfloat16`` to reproduce the reference's bf16 arithmetic.
+    """
+    sizes = read_head_config(config_path)
+    if hidden_size is not None and hidden_size != sizes["hidden_size"]:
+        raise HeadMismatch(
+            f"head hidden_size {sizes['hidden_size']} does not match the tower's n_embd {hidden_size}",
+            field="head_config",
+        )
+    # On the meta device the module costs nothing to build; load_state_dict(assign=True) then adopts the file's
+    # tensors, so a Flash-sized head is never randomly initialised only to be overwritten.
+    with torch.device("meta"):
+        head = JointSchemaHead(**sizes)
+    expected = {name: tuple(tensor.shape) for name, tensor in head.state_dict().items()}
+    tensors = _read_weights(Path(weights_path), expected)
+    head.load_state_dict(tensors, strict=True, assign=True)
+    head.to(dtype=dtype)
+    head.requires_grad_(False)
+    return head.eval()
+
+
+def _read_weights(path: Path, expected: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """The file's tensors, after checking names, shapes, dtypes and finiteness against ``expected``."""
+    if not path.is_file():
+        raise ModelNotFound(f"head weights not found: {path}", field="head_weights")
+    try:
+        # safe_open validates the header against the file size, so truncation is caught here.
+        with safe_open(str(path), framework="pt") as handle:
+            shapes = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
+            problems = _layout_problems(shapes, expected)
+            if problems:
+                raise HeadMismatch(f"{path.name} does not fit the head config: {problems}", field="head_weights")
+            tensors = {name: handle.get_tensor(name) for name in expected}
+    except HeadMismatch:
+        raise
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    # BaseException, not Exception: a Rust panic inside safetensors surfaces as pyo3's PanicException, which
+    # derives from BaseException. Whatever the file does, the caller gets a CorruptModel, not a dead process.
+    except BaseException as error:
+        raise CorruptModel(f"{path.name} is not a readable safetensors file: {error}", field="head_weights") from error
+    for name, tensor in tensors.items():
+        if tensor.dtype not in WEIGHT_DTYPES:
+            raise HeadMismatch(
+                f"{path.name}: tensor {name} has dtype {tensor.dtype}, expected bf16, f16, f32 or f64",
+                field="head_weights",
+            )
+        if not bool(torch.isfinite(tensor).all()):
+            raise CorruptModel(f"{path.name}: tensor {name} contains NaN or infinity", field="head_weights")
+    return tensors
+
+
+def _layout_problems(found: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]]) -> str:
+    """Missing keys, unexpected keys and wrong shapes, as one message (empty when the layout fits)."""
+    parts = []
+    missing = [name for name in expected if name not in found]
+    if missing:
+        parts.append(f"{len(missing)} missing tensor(s): {_names(missing)}")
+    unexpected = [name for name in found if name not in expected]
+    if unexpected:
+        parts.append(f"{len(unexpected)} unexpected tensor(s): {_names(unexpected)}")
+    wrong = [
+        f"{name} {list(found[name])} (expected {list(shape)})"
+        for name, shape in expected.items()
+        if name in found and found[name] != shape
+    ]
+    if wrong:
+        parts.append(f"{len(wrong)} wrong shape(s): {_names(wrong)}")
+    return "; ".join(parts)
+
+
+def _names(items: list[str]) -> str:
+    shown = ", ".join(items[:SHOWN])
+    return shown if len(items) <= SHOWN else f"{shown}, ... and {len(items) - SHOWN} more"
+
+
+def head_scalars(head: JointSchemaHead) -> dict[str, float]:
+    """The three learned scalars as raw floats (the runtime prints them at load)."""
+    return {name: float(getattr(head, name).detach().float()) for name in SCALARS}
+
+
+def save_head(head: JointSchemaHead, directory: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write ``joint_head.safetensors`` (release dtype bf16 by default) and ``joint_head_config.json``."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {name: tensor.detach().to("cpu", dtype).contiguous() for name, tensor in head.state_dict().items()}
+    save_file(state, str(directory / HEAD_WEIGHTS), metadata={"format": "pt"})
+    (directory / HEAD_CONFIG).write_text(json.dumps(dict(head.config), indent=2) + "\n", encoding="utf-8")
+    return directory
+
+
+def random_head(
+    config: Mapping, seed: int = 0, scalars: tuple[float, float, float] = (1.7, 2.3, -0.6)
+) -> JointSchemaHead:
+    """A reproducible random fp32 head for tests and demo models.
+
+    Matrices have std 1/sqrt(fan_in) so activations stay O(1); LayerNorm weights are 1 + noise so a test catches
+    swapped norms; ``scalars`` = (prior_logit_scale, joint_logit_scale, residual_gate), non-zero so the gate
+    cannot hide half the arithmetic.
+    """
+    head = JointSchemaHead(**check_config(config, source="config"))
+    generator = torch.Generator().manual_seed(seed)
+
+    def noise(tensor: torch.Tensor, std: float) -> torch.Tensor:
+        return torch.randn(tensor.shape, generator=generator, dtype=torch.float64).to(tensor.dtype) * std
+
+    with torch.no_grad():
+        for module in head.modules():
+            for name, parameter in module.named_parameters(recurse=False):
+                if parameter.ndim == 0:
+                    continue
+                if isinstance(module, nn.LayerNorm):
+                    shift = 1.0 if name == "weight" else 0.0
+                    parameter.copy_(noise(parameter, 0.25) + shift)
+                elif parameter.ndim == 2:
+                    std = 0.5 if isinstance(module, nn.Embedding) else 1.0 / math.sqrt(parameter.shape[1])
+                    parameter.copy_(noise(parameter, std))
+                else:
+                    parameter.copy_(noise(parameter, 0.1))
+        for name, value in zip(SCALARS, scalars, strict=True):
+            getattr(head, name).fill_(float(value))
+    return head.eval()

@@ -1,0 +1,83 @@
+"""Answers per type and the envelope, against hand-computed reference values (spec §5)."""
+
+import numpy as np
+import pytest
+
+from clef_gguf import answer, errors
+from clef_gguf.request import parse_request
+
+PROV = answer.Provenance("clef-test", "abc123", "llama-cpp-python", "f32", "tmpl")
+
+
+def request(questions, model=None):
+    body = {"state": "s", "questions": questions}
+    if model is not None:
+        body["model"] = model
+    return parse_request(body)
+
+
+def test_noul_reports_p_true_only():
+    r = request({"n": {"type": "noul"}})
+    a = answer.answer(r.questions[0], np.array([0.123456, 0.876544], dtype=np.float32))
+    assert a == {"type": "noul", "noul": 0.1235}
+
+
+def test_choice_reports_request_order_and_first_tied_max():
+    r = request({"c": {"type": "choice", "criteria": {"b": None, "a": None, "c": None}}})
+    q = r.questions[0]
+    assert [o.id for o in q.options] == ["a", "b", "c"]
+    # prompt order a, b, c; a and b tie: request order says b comes first
+    a = answer.answer(q, np.array([0.4, 0.4, 0.2], dtype=np.float32))
+    assert a["choice"] == "b"
+    assert list(a["probabilities"]) == ["b", "a", "c"]
+    assert a["confidence"] == round(float(np.float32(0.4)), 4)
+
+
+def test_score_expected_level_and_legend():
+    r = request({"s": {"type": "score", "criteria": ["low", {"x": 1}, "high"]}})
+    p = np.array([0.2, 0.3, 0.5], dtype=np.float32)
+    a = answer.answer(r.questions[0], p)
+    expected = sum(i * float(v) for i, v in enumerate(p))
+    assert a["score"] == round(expected, 4) == 1.3
+    assert a["confidence"] == 0.5
+    assert a["legend"] == {"0": "low", "1": {"x": 1}, "2": "high"}
+    assert a["probabilities"] == {"0": 0.2, "1": 0.3, "2": 0.5}
+
+
+def test_rounding_is_pythons_round_of_the_float32_value():
+    p = np.float32(0.00005)  # float32 nearest is just above or below the tie
+    assert answer._r(p) == round(float(p), 4)
+
+
+def test_softmax_is_float32_and_normalised():
+    probs = answer.split_probabilities(np.array([1.0, 2.0, 3.0, 0.5, 0.5]), (3, 2))
+    assert [p.dtype for p in probs] == [np.float32, np.float32]
+    assert probs[1].tolist() == [0.5, 0.5]
+    assert abs(float(probs[0].sum()) - 1) < 1e-6
+    ref = np.exp([1.0, 2.0, 3.0]) / np.exp([1.0, 2.0, 3.0]).sum()
+    assert np.allclose(probs[0], ref, atol=1e-7)
+
+
+def test_non_finite_logits_are_an_error_not_nan_answers():
+    with pytest.raises(errors.InferenceError):
+        answer.split_probabilities(np.array([np.nan, 1.0]), (2,))
+
+
+def test_envelope_echoes_model_and_carries_audit():
+    r = request({"n": {"type": "noul"}}, model="my-model")
+    probs = [np.array([0.6, 0.4], dtype=np.float32)]
+    out = answer.envelope(r, probs, 77, PROV, truncated=False, option_token_ids=np.arange(4))
+    assert out["model"] == "my-model"
+    assert out["usage"] == {"input_tokens": 77, "output_tokens": 0}
+    audit = out["audit"]
+    assert audit["model_hash"] == "abc123" and audit["input_tokens"] == [77]
+    assert audit["prompt_template_sha256"] == ["tmpl"]
+    assert len(audit["allowed_token_set_hash"][0]) == 64
+    assert "truncated" not in out
+
+
+def test_envelope_without_model_uses_served_name_and_marks_truncation():
+    r = request({"n": {"type": "noul"}})
+    out = answer.envelope(r, [np.array([0.5, 0.5], dtype=np.float32)], 5, PROV, truncated=True,
+                          option_token_ids=np.arange(2))
+    assert out["model"] == "clef-test" and out["truncated"] is True

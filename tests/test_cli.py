@@ -1,0 +1,74 @@
+"""``clef-gguf`` as a user runs it: a real subprocess, JSON on stdout, exit codes."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from clef_gguf.cli import COMMANDS
+
+REQUEST = {"state": "The invoice is 40 days overdue.",
+           "questions": {"overdue": {"type": "noul", "instructions": "Is it overdue?"},
+                         "action": {"type": "choice", "criteria": {"remind": None, "wait": None}}}}
+
+
+def clef_gguf(*args, stdin=None, timeout=300):
+    exe = shutil.which("clef-gguf")
+    cmd = [exe] if exe else [sys.executable, "-m", "clef_gguf.cli"]
+    return subprocess.run([*cmd, *map(str, args)], input=stdin, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_decide_from_file(tiny_model_dir, tmp_path):
+    req = tmp_path / "req.json"
+    req.write_text(json.dumps(REQUEST))
+    proc = clef_gguf("decide", "--model", tiny_model_dir, "--request", req, "--timings")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert set(out["answers"]) == {"overdue", "action"}
+    assert "timings_ms" in proc.stderr
+
+
+def test_decide_from_stdin_with_truncation(tiny_model_dir):
+    body = {**REQUEST, "state": "late " * 3000}
+    proc = clef_gguf("decide", "-m", tiny_model_dir, "--max-length", 1024, "--truncate-state",
+                     stdin=json.dumps(body))
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["truncated"] is True
+
+
+@pytest.mark.parametrize("body, code, field", [
+    ({"state": "x", "questions": {"q": {"type": "maybe"}}}, "invalid_question_type", "questions.q.type"),
+    ({"questions": {"q": {"type": "noul"}}}, "missing_field", "state"),
+    ("{not json", "invalid_value", "request"),
+])
+def test_invalid_request_exits_2_with_error_json(tiny_model_dir, body, code, field):
+    stdin = body if isinstance(body, str) else json.dumps(body)
+    proc = clef_gguf("decide", "--model", tiny_model_dir, stdin=stdin)
+    assert proc.returncode == 2
+    err = json.loads(proc.stdout)["error"]
+    assert err["code"] == code and err["field"] == field and err["message"]
+    assert "Traceback" not in proc.stderr
+
+
+def test_too_long_request_is_refused(tiny_model_dir):
+    proc = clef_gguf("decide", "-m", tiny_model_dir, "--max-length", 512,
+                     stdin=json.dumps({**REQUEST, "state": "late " * 3000}))
+    assert proc.returncode == 2
+    assert json.loads(proc.stdout)["error"]["code"] == "context_too_large"
+
+
+def test_missing_model_exits_1(tmp_path):
+    proc = clef_gguf("decide", "--model", tmp_path / "absent", stdin=json.dumps(REQUEST))
+    assert proc.returncode == 1
+    assert json.loads(proc.stdout)["error"]["code"] == "model_not_found"
+    assert "Traceback" not in proc.stderr
+
+
+def test_every_command_has_help():
+    for name in COMMANDS:
+        proc = clef_gguf(name, "--help", timeout=120)
+        assert proc.returncode == 0, (name, proc.stderr)
+        assert "usage: clef-gguf " + name in proc.stdout

@@ -1,0 +1,104 @@
+"""Lexical rows straight from GGUF files written here with gguf-py, in several tensor types."""
+
+import gguf
+import numpy as np
+import pytest
+
+from clef_gguf import errors, lexical
+
+T = gguf.GGMLQuantizationType
+HIDDEN, VOCAB = 256, 40
+
+
+def write_gguf(path, tensors: dict[str, tuple[np.ndarray, T]]):
+    w = gguf.GGUFWriter(str(path), "qwen35")
+    for name, (data, qtype) in tensors.items():
+        if qtype in (T.F32, T.F16):
+            w.add_tensor(name, data.astype(np.float32 if qtype == T.F32 else np.float16))
+        else:
+            packed = gguf.quants.quantize(data, qtype)
+            w.add_tensor(name, packed, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def table():
+    return np.random.default_rng(0).standard_normal((VOCAB, HIDDEN)).astype(np.float32)
+
+
+@pytest.mark.parametrize("qtype, tol", [(T.F32, 0), (T.F16, 1e-2), (T.BF16, 2e-2), (T.Q8_0, 3e-2),
+                                        (T.Q4_0, 0.5), (T.Q5_1, 0.2)])
+def test_rows_match_the_dequantized_table(tmp_path, table, qtype, tol):
+    path = write_gguf(tmp_path / "m.gguf", {"output.weight": (table, qtype),
+                                            "token_embd.weight": (table * 0, T.F32)})
+    rows = lexical.LexicalRows(lexical.open_gguf(path))
+    assert rows.tensor_name == "output.weight" and rows.hidden_size == HIDDEN
+    ids = np.array([3, 7, 3, 39, 0])
+    got = rows.rows(ids)
+    assert got.shape == (5, HIDDEN) and got.dtype == np.float32
+    assert np.abs(got - table[ids]).max() <= tol * np.abs(table).max() + 1e-7
+    assert np.array_equal(got[0], got[2])  # repeated tokens: cached, identical
+
+
+def test_tied_model_falls_back_to_token_embd(tmp_path, table):
+    path = write_gguf(tmp_path / "tied.gguf", {"token_embd.weight": (table, T.F32)})
+    rows = lexical.LexicalRows(lexical.open_gguf(path))
+    assert rows.tensor_name == "token_embd.weight"
+    assert np.array_equal(rows.rows(np.array([5])), table[[5]])
+
+
+def test_ggml_dequantizer_fallback_matches_gguf_py(tmp_path, table, monkeypatch):
+    path = write_gguf(tmp_path / "q.gguf", {"output.weight": (table, T.Q8_0)})
+    expected = lexical.LexicalRows(lexical.open_gguf(path)).rows(np.arange(VOCAB))
+
+    def refuse(*_a, **_k):
+        raise NotImplementedError("pretend gguf-py lacks this type")
+
+    monkeypatch.setattr(gguf.quants, "dequantize", refuse)
+    got = lexical.LexicalRows(lexical.open_gguf(path)).rows(np.arange(VOCAB))
+    assert np.array_equal(got, expected)
+
+
+def test_only_requested_rows_are_materialised(tmp_path, table):
+    path = write_gguf(tmp_path / "m.gguf", {"output.weight": (table, T.Q8_0)})
+    rows = lexical.LexicalRows(lexical.open_gguf(path))
+    rows.rows(np.array([1, 2, 2]))
+    assert sorted(rows._cache) == [1, 2]
+
+
+def test_out_of_range_token_is_an_error(tmp_path, table):
+    path = write_gguf(tmp_path / "m.gguf", {"output.weight": (table, T.F32)})
+    rows = lexical.LexicalRows(lexical.open_gguf(path))
+    with pytest.raises(errors.CorruptModel):
+        rows.rows(np.array([VOCAB]))
+
+
+def test_missing_lm_head_tensor(tmp_path, table):
+    path = write_gguf(tmp_path / "none.gguf", {"blk.0.attn_norm.weight": (table[0], T.F32)})
+    with pytest.raises(errors.CorruptModel, match="output.weight"):
+        lexical.LexicalRows(lexical.open_gguf(path))
+
+
+def test_truncated_and_foreign_files(tmp_path, table):
+    path = write_gguf(tmp_path / "m.gguf", {"output.weight": (table, T.F32)})
+    data = path.read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[: len(data) // 2])
+    with pytest.raises(errors.CorruptModel):
+        lexical.open_gguf(tmp_path / "cut.gguf")
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf at all" * 10)
+    with pytest.raises(errors.CorruptModel):
+        lexical.open_gguf(tmp_path / "junk.gguf")
+    with pytest.raises(errors.ModelNotFound):
+        lexical.open_gguf(tmp_path / "absent.gguf")
+
+
+def test_file_type_name(tmp_path, table):
+    w = gguf.GGUFWriter(str(tmp_path / "ft.gguf"), "qwen35")
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    w.add_tensor("output.weight", table)
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    assert lexical.file_type_name(lexical.open_gguf(tmp_path / "ft.gguf")) == "q4_k_m"

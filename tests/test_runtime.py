@@ -1,0 +1,146 @@
+"""The whole pipeline through ``Clef`` on the tiny converted model, and its load-time failures."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from clef_gguf import Clef, errors
+from clef_gguf.files import MANIFEST, from_directory
+
+REQUEST = {
+    "model": "tiny",
+    "state": {"ticket": "Refund not received after 14 days", "amount": 129.5},
+    "questions": {
+        "urgent": {"type": "noul", "instructions": "Is this urgent?"},
+        "team": {"type": "choice", "instructions": "Which team?",
+                 "criteria": {"billing": "Payments and refunds", "tech": None, "sales": "New deals"}},
+        "anger": {"type": "score", "instructions": "How angry is the customer?",
+                  "criteria": ["calm", "annoyed", "furious"]},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def clef(tiny_model_dir):
+    with Clef.load(tiny_model_dir, max_length=2048, threads=2) as model:
+        yield model
+
+
+def test_decide_answers_every_question(clef):
+    out = clef.decide(REQUEST)
+    assert out["model"] == "tiny"
+    assert list(out["answers"]) == ["urgent", "team", "anger"]
+    urgent, team, anger = out["answers"].values()
+    assert urgent["type"] == "noul" and 0 <= urgent["noul"] <= 1
+    assert list(team["probabilities"]) == ["billing", "tech", "sales"]
+    assert abs(sum(team["probabilities"].values()) - 1) < 2e-4
+    assert team["choice"] == max(team["probabilities"], key=team["probabilities"].get)
+    assert 0 <= anger["score"] <= 2 and list(anger["legend"]) == ["0", "1", "2"]
+    assert out["usage"]["output_tokens"] == 0 and out["usage"]["input_tokens"] > 50
+    audit = out["audit"]
+    assert audit["backend"] == "llama-cpp-python" and audit["precision"] == "f32"
+    assert audit["model_hash"] == from_directory(clef.files.tower.parent).sha256[clef.files.tower.name]
+    assert audit["input_tokens"] == [out["usage"]["input_tokens"]]
+
+
+def test_same_request_same_bytes(clef):
+    a = json.dumps(clef.decide(REQUEST))
+    b = json.dumps(clef.decide(json.loads(json.dumps(REQUEST))))
+    assert a == b
+
+
+def test_timings_cover_every_stage(clef):
+    _, timings = clef.run(clef.prepare(REQUEST))
+    assert set(timings) == {"encode", "tower", "lexical", "head", "total", "tokens"}
+    assert all(v >= 0 for v in timings.values())
+
+
+def test_probabilities_match_rounded_answers(clef):
+    probs = clef.probabilities(REQUEST)
+    out = clef.decide(REQUEST)
+    assert out["answers"]["urgent"]["noul"] == round(float(probs[0][0]), 4)
+    assert [len(p) for p in probs] == [2, 3, 3]
+
+
+def test_invalid_request_is_refused_before_compute(clef):
+    with pytest.raises(errors.TooFewOptions):
+        clef.prepare({"state": "x", "questions": {"c": {"type": "choice", "criteria": {"a": 1}}}})
+    with pytest.raises(errors.Unsupported):
+        clef.decide({"state": "x", "images": ["a"], "questions": {"q": {"type": "noul"}}})
+
+
+def test_too_long_refused_or_truncated(clef):
+    long = {"state": "refund " * 3000, "questions": {"q": {"type": "noul"}}}
+    with pytest.raises(errors.ContextTooLarge):
+        clef.decide(long)
+    out = clef.decide(long, truncate_state=True)
+    assert out["truncated"] is True and out["usage"]["input_tokens"] == 2048
+    assert clef.decide({**long, "options": {"truncate_state": True}}) == out
+
+
+def test_bf16_head_runs_close_to_fp32(tiny_model_dir, clef):
+    with Clef.load(tiny_model_dir, max_length=2048, precision="bf16") as b:
+        pb = b.probabilities(REQUEST)
+    p32 = clef.probabilities(REQUEST)
+    assert max(np.abs(a - c).max() for a, c in zip(pb, p32)) < 0.05
+
+
+def copy_model(src, dst):
+    shutil.copytree(src, dst)
+    (dst / MANIFEST).unlink()  # edited files would no longer match the manifest's hashes
+    return dst
+
+
+def test_truncated_gguf_is_a_clear_error(tiny_model_dir, tmp_path):
+    d = copy_model(tiny_model_dir, tmp_path / "m")
+    gguf = next(d.glob("*.gguf"))
+    gguf.write_bytes(gguf.read_bytes()[:-1000])
+    with pytest.raises(errors.CorruptModel) as info:
+        Clef.load(d)
+    assert gguf.name in info.value.message
+
+
+def test_missing_head_file(tiny_model_dir, tmp_path):
+    d = copy_model(tiny_model_dir, tmp_path / "m")
+    (d / "joint_head.safetensors").unlink()
+    with pytest.raises(errors.ModelNotFound) as info:
+        Clef.load(d)
+    assert info.value.field == "head_weights"
+
+
+def test_missing_model_directory(tmp_path):
+    with pytest.raises(errors.ModelNotFound):
+        Clef.load(tmp_path / "nothing-here")
+
+
+def test_head_hidden_size_must_match_the_tower(tiny_model_dir, tmp_path):
+    from clef_gguf.heads import random_head, save_head
+
+    d = copy_model(tiny_model_dir, tmp_path / "m")
+    config = json.loads((d / "joint_head_config.json").read_text())
+    config["hidden_size"] *= 2
+    save_head(random_head(config, seed=1), d, dtype=torch.bfloat16)
+    with pytest.raises(errors.HeadMismatch) as info:
+        Clef.load(d)
+    assert str(config["hidden_size"]) in info.value.message
+
+
+def test_tower_with_another_architecture_is_refused(tiny_model_dir, tmp_path):
+    import gguf
+
+    d = copy_model(tiny_model_dir, tmp_path / "m")
+    for p in d.glob("*.gguf"):
+        p.unlink()
+    w = gguf.GGUFWriter(str(d / "clef.gguf"), "clef")
+    w.add_tensor("output.weight", np.zeros((8, 64), dtype=np.float32))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    with pytest.raises(errors.CorruptModel, match="convert split"):
+        Clef.load(d)
+
+
+def test_unknown_precision(tiny_model_dir):
+    with pytest.raises(errors.InvalidValue):
+        Clef.load(tiny_model_dir, precision="fp8")
