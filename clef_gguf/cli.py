@@ -24,6 +24,14 @@ COMMANDS = {
              "build a tiny RANDOM-weight Clef release offline and convert it (pipeline demo)"),
     "convert": ("clef_gguf.convert.cli", "add_convert_arguments", "run_convert",
                 "convert a Hugging Face Clef release directory to a tower GGUF + head files"),
+    "pull": ("clef_gguf.hub", "add_pull_arguments", "run_pull",
+             "download a catalog model (tower GGUF + head + tokenizer) at its pinned revision"),
+    "list": ("clef_gguf.hub", "add_list_arguments", "run_list",
+             "show the models in the local Hugging Face cache (or --available: the catalog)"),
+    "pick": ("clef_gguf.device", "add_arguments", "run",
+             "probe this machine and recommend the best quant that fits, saying why"),
+    "parity": ("clef_gguf.parity", "add_arguments", "run",
+               "compare a converted model with the transformers reference of its release"),
 }
 
 

@@ -38,7 +38,8 @@ class Prepared:
 
 def resolve(model: str | Path | None = None, *, gguf: str | Path | None = None,
             head: str | Path | None = None, head_config: str | Path | None = None,
-            tokenizer: str | Path | None = None, allow_download: bool = False) -> model_files.ModelFiles:
+            tokenizer: str | Path | None = None, allow_download: bool = False,
+            context_tokens: int = DEFAULT_MAX_LENGTH) -> model_files.ModelFiles:
     """A model directory, a .gguf beside its head files, explicit paths, or a catalog name."""
     explicit = {"tower": gguf, "head_weights": head, "head_config": head_config,
                 "tokenizer": tokenizer}
@@ -63,7 +64,7 @@ def resolve(model: str | Path | None = None, *, gguf: str | Path | None = None,
     elif ":" in str(model) or not path.exists() and "/" not in str(model):
         from clef_gguf import hub  # catalog names: clef-flash:Q4_K_M, clef-flash:auto
 
-        found = hub.resolve(str(model), allow_download=allow_download)
+        found = hub.resolve(str(model), allow_download=allow_download, context_tokens=context_tokens)
     else:
         raise errors.ModelNotFound(f"model not found: {model}", field="model")
     # Explicit paths override what the directory or catalog named.
@@ -94,7 +95,8 @@ class Clef:
             raise errors.InvalidValue(f"precision must be one of {', '.join(PRECISIONS)}",
                                       field="precision")
         found = resolve(model, gguf=gguf, head=head, head_config=head_config,
-                        tokenizer=tokenizer, allow_download=allow_download)
+                        tokenizer=tokenizer, allow_download=allow_download,
+                        context_tokens=max_length)
         # gguf-py validates the whole file table first: llama.cpp aborts on some corrupt files.
         reader = open_gguf(found.tower)
         arch = field_value(reader, "general.architecture")

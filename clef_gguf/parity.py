@@ -1,0 +1,166 @@
+"""Agreement of a converted model with the transformers reference of the same release.
+
+The reference side runs the Hugging Face backbone (``last_hidden_state`` and ``lm_head.weight``
+rows, spec §2) and the release head; our side runs the GGUF through llama.cpp. Both share the
+encoder and the head code, so every difference comes from the tower and its quantization.
+transformers is only needed here (``pip install 'clef-gguf[parity]'``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from clef_gguf import errors
+
+# Requests exercising every question type, short and long states, JSON and text: data, not code.
+SAMPLE_REQUESTS = [
+    {"state": "Invoice INV-2291 for $1,250.00 was due on 2026-10-01 and is still unpaid.",
+     "questions": {
+         "overdue": {"type": "noul", "instructions": "Is the invoice overdue?"},
+         "action": {"type": "choice", "instructions": "What should happen next?",
+                    "criteria": {"remind": "Send a payment reminder.", "escalate": None,
+                                 "close": "Close the invoice."}}}},
+    {"state": {"ticket": 48213, "text": "The app crashes when I upload a photo. Third time today!",
+               "plan": "pro", "amount": 19.99},
+     "questions": {
+         "sentiment": {"type": "score", "instructions": "How frustrated is the customer?",
+                       "criteria": ["calm", "annoyed", "angry", "furious"]},
+         "team": {"type": "choice", "criteria": {"mobile": None, "billing": None, "web": None,
+                                                 "infra": "Servers and storage"}},
+         "bug": {"type": "noul"}}},
+    {"state": "deploy 7f3a: 12 pods restarted, p95 latency 2.4s (SLO 800ms), error rate 4.1%. " * 12,
+     "questions": {
+         "rollback": {"type": "noul", "instructions": "Should the deploy be rolled back?"},
+         "severity": {"type": "score", "criteria": ["sev4", "sev3", "sev2", "sev1"]}}},
+    {"state": ["résumé reçu", "naïve café", {"lang": "fr", "score": 0.875}],
+     "questions": {
+         "language": {"type": "choice", "criteria": {"fr": "French", "en": "English",
+                                                     "de": "German", "es": "Spanish"}},
+         "complete": {"type": "noul", "criteria": {"true": "All fields present", "false": None}}}},
+]
+
+
+@dataclass
+class ParityReport:
+    model: str
+    questions: int = 0
+    options: int = 0
+    max_abs_dp: float = 0.0
+    mean_abs_dp: float = 0.0
+    argmax_agree: int = 0  # over questions whose reference top-2 margin > margin
+    argmax_checked: int = 0
+    near_ties: list[dict] = field(default_factory=list)
+    margin: float = 0.01
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class Reference:
+    """The transformers backbone + the release head in float32 (or bf16) on CPU."""
+
+    def __init__(self, release: str | Path, *, dtype: str = "f32"):
+        try:
+            import torch
+            import transformers
+        except ImportError:
+            raise errors.ClefError("parity needs transformers: pip install 'clef-gguf[parity]'") from None
+        from clef_gguf.encode import Encoder
+        from clef_gguf.heads import load_head
+
+        release = Path(release)
+        if not (release / "config.json").is_file():
+            raise errors.ModelNotFound(f"{release} is not a Hugging Face release (no config.json)",
+                                       field="release")
+        self.torch = torch
+        torch_dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[dtype]
+        arch = json.loads((release / "config.json").read_text()).get("architectures", ["?"])[0]
+        model_class = getattr(transformers, arch, None)
+        if model_class is None:
+            raise errors.ModelNotFound(f"transformers has no class {arch}", field="release")
+        model = model_class.from_pretrained(release, dtype=torch_dtype)
+        self.model = model.eval()
+        self.lm_head = self.model.get_output_embeddings().weight
+        self.head = load_head(release / "joint_head_config.json", release / "joint_head.safetensors",
+                              dtype=torch.float32)
+        self.encoder = Encoder.from_file(release / "tokenizer.json")
+
+    def _text_model(self):
+        base = self.model.model
+        return getattr(base, "language_model", base)
+
+    def probabilities(self, request: dict) -> list[np.ndarray]:
+        from clef_gguf.answer import split_probabilities
+        from clef_gguf.request import parse_request
+
+        torch = self.torch
+        enc = self.encoder.encode(parse_request(request))
+        ids = torch.as_tensor(enc.ids, dtype=torch.long)[None]
+        with torch.inference_mode():
+            hidden = self._text_model()(input_ids=ids, use_cache=False).last_hidden_state[0]
+            rows = self.lm_head[torch.as_tensor(enc.option_token_ids(), dtype=torch.long)]
+            logits = self.head(hidden.float(), rows.float(), list(enc.question_spans),
+                               list(enc.option_spans), list(enc.option_counts), list(enc.types))
+        return split_probabilities(logits.float().numpy(), enc.option_counts)
+
+
+def compare(ours: list[list[np.ndarray]], ref: list[list[np.ndarray]], *, model: str,
+            margin: float = 0.01) -> ParityReport:
+    """Max/mean |dp| over every option; argmax agreement where the reference is not a near tie."""
+    report = ParityReport(model=model, margin=margin)
+    diffs = []
+    for i, (a_q, r_q) in enumerate(zip(ours, ref)):
+        for j, (a, r) in enumerate(zip(a_q, r_q)):
+            diffs.append(np.abs(a.astype(np.float64) - r))
+            report.questions += 1
+            report.options += len(r)
+            top2 = np.sort(r)[-2:] if len(r) > 1 else np.array([0.0, 1.0])
+            if top2[1] - top2[0] > margin:
+                report.argmax_checked += 1
+                report.argmax_agree += int(np.argmax(a) == np.argmax(r))
+            else:
+                report.near_ties.append({"request": i, "question": j,
+                                         "margin": float(top2[1] - top2[0]),
+                                         "same_argmax": bool(np.argmax(a) == np.argmax(r))})
+    flat = np.concatenate(diffs) if diffs else np.zeros(1)
+    report.max_abs_dp = float(flat.max())
+    report.mean_abs_dp = float(flat.mean())
+    return report
+
+
+def run_parity(clef, reference: Reference, requests: list[dict], *, margin: float = 0.01) -> ParityReport:
+    ours = [clef.probabilities(r) for r in requests]
+    ref = [reference.probabilities(r) for r in requests]
+    return compare(ours, ref, model=clef.info["name"] + ":" + clef.info["quant"], margin=margin)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from clef_gguf.cli import add_model_arguments
+
+    add_model_arguments(p)
+    p.add_argument("--release", required=True,
+                   help="the Hugging Face release directory the model was converted from")
+    p.add_argument("--requests", help="JSON file with a list of requests (default: built-in samples)")
+    p.add_argument("--reference-dtype", choices=["f32", "bf16"], default="f32",
+                   help="dtype of the transformers reference (bf16 halves its memory)")
+    p.add_argument("--margin", type=float, default=0.01,
+                   help="argmax is compared where the reference's top-2 margin exceeds this")
+
+
+def run(args: argparse.Namespace) -> int:
+    from clef_gguf.cli import load_model, read_request
+
+    requests = read_request(args.requests) if args.requests else SAMPLE_REQUESTS
+    if not isinstance(requests, list) or not requests:
+        raise errors.InvalidValue("--requests must hold a non-empty JSON list of requests",
+                                  field="requests")
+    reference = Reference(args.release, dtype=args.reference_dtype)
+    with load_model(args) as clef:
+        report = run_parity(clef, reference, requests, margin=args.margin)
+    print(json.dumps(report.to_dict(), indent=2))
+    return 0

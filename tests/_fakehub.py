@@ -1,0 +1,165 @@
+"""A loopback stand-in for the Hugging Face Hub, just enough for huggingface_hub's real download code.
+
+Implements (as huggingface_hub's file_download.py / hf_api.py expect them):
+  HEAD/GET /{owner}/{name}/resolve/{revision}/{path}  -> X-Repo-Commit, ETag, X-Linked-Etag (LFS sha256),
+      X-Linked-Size, Content-Length; GET honours ``Range: bytes=N-`` (206 + Content-Range)
+  GET /api/models/{owner}/{name}/tree/{revision}      -> the file listing (with ``lfs.oid`` = sha256)
+  404s carry X-Error-Code (RepoNotFound / RevisionNotFound / EntryNotFound) like the Hub.
+A file can be served corrupted (different bytes than its advertised sha256) to test verification.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import unquote, urlsplit
+
+LFS_SUFFIXES = (".gguf", ".safetensors", ".bin")
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass
+class FakeRepo:
+    commits: dict[str, dict[str, bytes]] = field(default_factory=dict)
+    refs: dict[str, str] = field(default_factory=dict)
+    # path -> bytes actually sent (the advertised sha256/size stay those of the real content)
+    corrupt: dict[str, bytes] = field(default_factory=dict)
+    # paths whose first full GET breaks off half-way (to exercise huggingface_hub's resume with Range)
+    drop_once: set[str] = field(default_factory=set)
+
+
+class FakeHub:
+    def __init__(self) -> None:
+        self.repos: dict[str, FakeRepo] = {}
+        self.requests: list[tuple[str, str]] = []
+        self.fail_all = False  # answer 503 to everything, like an outage
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def add(self, repo: str, commit: str, files: dict[str, bytes], *, main: bool = True) -> None:
+        r = self.repos.setdefault(repo, FakeRepo())
+        r.commits[commit] = dict(files)
+        if main:
+            r.refs["main"] = commit
+
+    def start(self) -> FakeHub:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def _handler(self):
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):  # keep pytest output clean
+                pass
+
+            def do_HEAD(self):
+                self._serve(body=False)
+
+            def do_GET(self):
+                self._serve(body=True)
+
+            def _send(self, status, headers, payload=b"", body=True):
+                self.send_response(status)
+                for k, v in headers.items():
+                    self.send_header(k, v)
+                if "Content-Length" not in headers:
+                    self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                if body and payload:
+                    self.wfile.write(payload)
+
+            def _error(self, status, code, body, extra=None):
+                msg = json.dumps({"error": code}).encode()
+                self._send(status, {"X-Error-Code": code, "Content-Type": "application/json",
+                                    **(extra or {})}, msg, body)
+
+            def _serve(self, body):
+                if self.path.startswith("/api/agent-harnesses"):  # huggingface_hub's daily registry fetch
+                    return self._error(404, "NotFound", body)
+                hub.requests.append((self.command, self.path))
+                if hub.fail_all:
+                    return self._error(503, "ServiceUnavailable", body)
+                parts = [unquote(p) for p in urlsplit(self.path).path.strip("/").split("/")]
+                if parts[:2] == ["api", "models"] and len(parts) >= 6 and parts[4] == "tree":
+                    return self._tree("/".join(parts[2:4]), parts[5], body)
+                if len(parts) >= 5 and parts[2] == "resolve":
+                    return self._resolve("/".join(parts[:2]), parts[3], "/".join(parts[4:]), body)
+                return self._error(404, "NotFound", body)
+
+            def _commit(self, repo, revision, body):
+                r = hub.repos.get(repo)
+                if r is None:
+                    self._error(404, "RepoNotFound", body)
+                    return None, None
+                commit = revision if revision in r.commits else r.refs.get(revision)
+                if commit is None:
+                    self._error(404, "RevisionNotFound", body)
+                    return None, None
+                return r, commit
+
+            def _tree(self, repo, revision, body):
+                r, commit = self._commit(repo, revision, body)
+                if r is None:
+                    return
+                items = []
+                for path, data in sorted(r.commits[commit].items()):
+                    item = {"type": "file", "path": path, "size": len(data), "oid": sha256(data)[:40]}
+                    if path.endswith(LFS_SUFFIXES):
+                        item["lfs"] = {"oid": sha256(data), "size": len(data), "pointerSize": 134}
+                    items.append(item)
+                self._send(200, {"Content-Type": "application/json"}, json.dumps(items).encode(), body)
+
+            def _resolve(self, repo, revision, path, body):
+                r, commit = self._commit(repo, revision, body)
+                if r is None:
+                    return
+                files = r.commits[commit]
+                if path not in files:
+                    return self._error(404, "EntryNotFound", body, {"X-Repo-Commit": commit})
+                real = files[path]
+                sent = r.corrupt.get(path, real)
+                lfs = path.endswith(LFS_SUFFIXES)
+                etag = sha256(real) if lfs else hashlib.sha1(b"blob %d\0" % len(real) + real).hexdigest()
+                headers = {"X-Repo-Commit": commit, "ETag": f'"{etag}"', "Accept-Ranges": "bytes",
+                           "Content-Type": "application/octet-stream"}
+                if lfs:
+                    headers.update({"X-Linked-Etag": f'"{etag}"', "X-Linked-Size": str(len(real))})
+                start = 0
+                rng = self.headers.get("Range")
+                if rng and rng.startswith("bytes=") and body:
+                    start = int(rng[6:].split("-")[0] or 0)
+                payload = sent[start:]
+                if start:
+                    headers["Content-Range"] = f"bytes {start}-{len(sent) - 1}/{len(sent)}"
+                headers["Content-Length"] = str(len(payload))
+                if body and not start and path in r.drop_once:
+                    r.drop_once.discard(path)
+                    self.send_response(200)
+                    for k, v in headers.items():
+                        self.send_header(k, v)
+                    self.end_headers()
+                    self.wfile.write(payload[: len(payload) // 2])
+                    self.wfile.flush()
+                    self.close_connection = True  # the client sees a short body: a dropped connection
+                    return
+                self._send(206 if start else 200, headers, payload, body)
+
+        return Handler

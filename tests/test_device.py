@@ -1,0 +1,184 @@
+"""Device fit: the pure policy on synthetic machines, and the probe / `pick` on this one."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from clef_gguf import device
+from clef_gguf.device import GPU, GiB, DeviceProfile, NoQuantFits, recommend
+from clef_gguf.models import Catalog
+
+X86 = frozenset({"avx2", "fma", "sse4_2"})
+PROFILES = {
+    "8 GB laptop": DeviceProfile(8 * GiB, 6 * GiB, 8, "x86_64", X86),
+    "16 GB laptop": DeviceProfile(16 * GiB, 11 * GiB, 8, "x86_64", X86),
+    "32 GB desktop": DeviceProfile(32 * GiB, 26 * GiB, 16, "x86_64", X86 | {"avx512f"}),
+    "8 GB ARM board": DeviceProfile(8 * GiB, int(7.2 * GiB), 4, "aarch64", frozenset({"asimd", "neon"})),
+    "24 GB GPU box": DeviceProfile(64 * GiB, 50 * GiB, 16, "x86_64", X86,
+                                   (GPU(0, "NVIDIA GeForce RTX 4090", 24 * GiB, int(23.5 * GiB)),), True),
+    "4 GB board": DeviceProfile(4 * GiB, int(2.5 * GiB), 4, "aarch64", frozenset({"asimd"})),
+}
+# The policy table at the default 16,384-token context, with the packaged catalog.
+EXPECTED = {
+    "8 GB laptop": ("clef-flash:Q2_K", "cpu"),
+    "16 GB laptop": ("clef-flash:Q6_K_L", "cpu"),
+    "32 GB desktop": ("clef-flash:Q8_0", "cpu"),
+    "8 GB ARM board": ("clef-flash:Q3_K_L", "cpu"),
+    "24 GB GPU box": ("clef-flash:Q8_0", "gpu"),  # BF16 fits but only from an unpinned source
+    "4 GB board": (None, None),
+}
+
+
+@pytest.fixture(scope="module")
+def cat():
+    return Catalog.load()
+
+
+@pytest.mark.parametrize("label", list(PROFILES))
+def test_policy_table(cat, label):
+    rec = recommend(PROFILES[label], "clef-flash", catalog=cat)
+    assert (rec.name, rec.placement) == EXPECTED[label], rec.reason
+    assert rec.context_tokens == 16384 and rec.reason
+
+
+@pytest.mark.parametrize("label", list(PROFILES))
+def test_choice_fits_and_nothing_better_does(cat, label):
+    rec = recommend(PROFILES[label], "clef-flash", catalog=cat)
+    names = [c.quant for c in rec.candidates]
+    assert names == cat.family("clef-flash").quants()  # every quant was considered, best first
+    if rec.ok:
+        assert rec.need_bytes <= rec.budget_bytes
+        chosen = names.index(rec.quant)
+        family = cat.family("clef-flash")
+        # Nothing better fits from a pinned source (unpinned ones are only a last resort).
+        assert rec.candidates[chosen].fits
+        assert not any(c.fits and family.source(c.source).pinned for c in rec.candidates[:chosen])
+        assert rec.quant in rec.reason and "fits" in rec.reason
+    else:
+        assert not any(c.fits for c in rec.candidates)
+
+
+def test_more_memory_never_gets_a_worse_quant(cat):
+    rank = {q: i for i, q in enumerate(cat.family("clef-flash").quants())}
+    last = len(rank)
+    for gib in range(3, 40):
+        rec = recommend(DeviceProfile(gib * GiB, gib * GiB), "clef-flash", catalog=cat)
+        now = rank[rec.quant] if rec.ok else len(rank)
+        assert now <= last, f"{gib} GiB got {rec.quant}"
+        last = now
+
+
+def test_too_little_memory_gives_a_clear_verdict(cat):
+    rec = recommend(PROFILES["4 GB board"], "clef-flash", catalog=cat)
+    assert not rec.ok and rec.quant is None and rec.placement is None
+    assert rec.reason.startswith("No clef-flash quant fits this machine: the smallest, Q1_0")
+    assert "usable" in rec.reason
+    with pytest.raises(NoQuantFits) as err:
+        rec.require()
+    assert err.value.code == "no_quant_fits"
+    # a smaller context is suggested when it would make the smallest quant fit
+    squeezed = recommend(DeviceProfile(5 * GiB, 4 * GiB), "clef-flash", catalog=cat)
+    assert not squeezed.ok and "--ctx 2048" in squeezed.reason
+    assert recommend(DeviceProfile(5 * GiB, 4 * GiB), "clef-flash", catalog=cat, context_tokens=2048).ok
+
+
+def test_context_and_kv_are_budgeted(cat):
+    box = PROFILES["8 GB ARM board"]
+    short, long = (recommend(box, "clef-flash", catalog=cat, context_tokens=n) for n in (4096, 65536))
+    assert short.breakdown["kv_cache"] == 4096 * 32 * 1024
+    assert long.breakdown["kv_cache"] == 2 * GiB
+    assert short.breakdown["recurrent_state"] == 24 * (24_576 + 524_288) * 4
+    rank = cat.family("clef-flash").quants().index
+    assert rank(short.quant) <= rank(long.quant)
+
+
+def test_gpu_rules(cat):
+    box = PROFILES["24 GB GPU box"]
+    cpu_only_build = DeviceProfile(**{**box.__dict__, "gpu_offload": False})
+    rec = recommend(cpu_only_build, "clef-flash", catalog=cat)
+    assert rec.placement == "cpu" and rec.quant == "Q8_0" and "cannot offload" in rec.reason
+    unknown = recommend(DeviceProfile(**{**box.__dict__, "gpu_offload": None}), "clef-flash", catalog=cat)
+    assert unknown.placement == "gpu" and "CUDA" in unknown.reason
+    small_gpu = DeviceProfile(16 * GiB, 12 * GiB, 8, "x86_64", X86, (GPU(0, "RTX 3060", 12 * GiB, 11 * GiB),), True)
+    rec = recommend(small_gpu, "clef-flash", catalog=cat)
+    assert rec.placement == "gpu" and rec.need_bytes <= rec.budget_bytes <= 11 * GiB
+    assert recommend(box, "clef", catalog=cat).name == "clef:Q4_K_M"
+
+
+def test_cpu_notes(cat):
+    old = DeviceProfile(16 * GiB, 12 * GiB, 4, "x86_64", frozenset({"sse4_2"}))
+    assert "no AVX2" in recommend(old, "clef-flash", catalog=cat).reason
+    assert "NEON" in recommend(PROFILES["8 GB ARM board"], "clef-flash", catalog=cat).reason
+    assert "BF16 is not picked for CPU" in recommend(PROFILES["32 GB desktop"], "clef-flash", catalog=cat).reason
+
+
+def test_recommendation_serialises(cat):
+    d = recommend(PROFILES["16 GB laptop"], "clef-flash", catalog=cat).to_dict()
+    assert d["ok"] and d["name"] == "clef-flash:Q6_K_L" and json.dumps(d)
+    assert all("fits" in c for c in d["candidates"])
+
+
+def test_probe_on_this_machine_is_sane():
+    p = device.probe()
+    assert p.total_ram > 256 * 1024 * 1024 and 0 < p.available_ram <= p.total_ram
+    assert p.cpu_count >= 1 and p.arch
+    assert p.gpu_offload in (True, False, None)
+    for g in p.gpus:
+        assert g.vram_total > 0
+    json.dumps(p.to_dict())
+
+
+def test_meminfo_fallback_parses(monkeypatch):
+    import builtins
+    real_import = builtins.__import__
+
+    def no_psutil(name, *args, **kwargs):
+        if name == "psutil":
+            raise ImportError("hidden for the test")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_psutil)
+    total, available = device._ram()
+    assert total > 0 and 0 < available <= total
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_pick_command_on_this_machine(capsys, as_json):
+    parser = argparse.ArgumentParser()
+    device.add_arguments(parser)
+    code = device.run(parser.parse_args(["--json"] if as_json else []))
+    out = capsys.readouterr().out
+    if as_json:
+        data = json.loads(out)
+        assert data["device"]["total_ram"] > 0 and "avx2" in data["device"]["features"]
+        rec = data["recommendation"]
+        assert rec["family"] == "clef-flash" and rec["context_tokens"] == 16384
+        assert code == (0 if rec["ok"] else 1) and len(rec["candidates"]) >= 30
+    else:
+        assert out.startswith("RAM:") and "CPU:" in out and "GPU:" in out and "Recommended:" in out
+        assert code in (0, 1)
+
+
+def test_nvidia_smi_output_is_parsed(tmp_path, monkeypatch):
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\nprintf '0, NVIDIA H200, 143771, 143000\\n1, Tesla T4, 15360, [N/A]\\n'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    h200, t4 = device._nvidia_gpus()
+    assert (h200.index, h200.name, h200.vram_total, h200.vram_free) == (0, "NVIDIA H200", 143771 << 20, 143000 << 20)
+    assert (t4.name, t4.vram_total, t4.vram_free) == ("Tesla T4", 15360 << 20, None)
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+    assert device._nvidia_gpus() == ()
+
+
+def test_cpu_flags_from_x86_and_arm_cpuinfo(tmp_path):
+    x86 = tmp_path / "x86"
+    x86.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx avx2 avx512f\n")
+    arm = tmp_path / "arm"
+    arm.write_text("processor\t: 0\nFeatures\t: fp asimd evtstrm crc32 cpuid\n")
+    assert {"avx2", "avx512f"} <= device._cpu_flags(x86)
+    arm_profile = DeviceProfile(8 * GiB, 6 * GiB, 4, "aarch64", device._cpu_flags(arm))
+    assert arm_profile.neon and not arm_profile.avx2

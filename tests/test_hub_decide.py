@@ -1,0 +1,97 @@
+"""From a catalog name to a decision: `clef-gguf pull` and `decide --model clef-flash:auto` through a
+fake Hub serving the tiny model's real files (huggingface_hub's real download code, loopback only)."""
+
+import json
+import subprocess
+
+import pytest
+
+from _fakehub import FakeHub, sha256
+
+TOWER_REPO, HEAD_REPO = "test-org/clef-flash-GGUF", "test-org/clef-flash"
+TOWER_REV, HEAD_REV = "e" * 40, "f" * 40
+REQUEST = {"state": "Server disk 97% full, writes failing.",
+           "questions": {"page": {"type": "noul", "instructions": "Page the on-call engineer?"}}}
+
+
+@pytest.fixture
+def hub_env(tiny_model_dir, tmp_path):
+    tower = (tiny_model_dir / "tower-f32.gguf").read_bytes()
+    head = {name: (tiny_model_dir / name).read_bytes()
+            for name in ("joint_head.safetensors", "joint_head_config.json", "tokenizer.json")}
+    server = FakeHub()
+    server.add(TOWER_REPO, TOWER_REV, {"Clef-Tiny-Q8_0.gguf": tower})
+    server.add(HEAD_REPO, HEAD_REV, head)
+    server.start()
+    catalog = {
+        "format": "clef-gguf-catalog/1",
+        "quant_types": {"order": ["Q8_0"], "bpw": {"Q8_0": 8.5}},
+        "families": {"clef-flash": {
+            "architecture": {"hidden_size": 64, "layers": 4, "recurrent_layers": 3, "attention_layers": 1,
+                             "attention_heads": 4, "kv_heads": 2, "head_dim": 16, "vocab_size": 512,
+                             "max_context": 32768},
+            "memory": {"kv_bytes_per_token": 128, "recurrent_bytes_per_sequence": 65536,
+                       "head_bytes": 1 << 20, "lexical_rows_bytes": 1 << 20, "compute_bytes": 1 << 20,
+                       "runtime_bytes": 1 << 20},
+            "size_estimate": {"overhead_bytes": 0, "bytes_per_bpw": 1},
+            "head_source": "head", "tower_sources": ["tower"], "other_sources": []}},
+        "sources": {
+            "head": {"family": "clef-flash", "alias": "cloudflare", "role": "head", "repo": HEAD_REPO,
+                     "revision": HEAD_REV, "files": {
+                         "head_weights": {"file": "joint_head.safetensors",
+                                          "sha256": sha256(head["joint_head.safetensors"])},
+                         "head_config": {"file": "joint_head_config.json"},
+                         "tokenizer": {"file": "tokenizer.json", "sha256": sha256(head["tokenizer.json"])}}},
+            "tower": {"family": "clef-flash", "alias": "testsrc", "role": "tower", "repo": TOWER_REPO,
+                      "revision": TOWER_REV, "files": {"Q8_0": {
+                          "file": "Clef-Tiny-Q8_0.gguf", "size": len(tower), "sha256": sha256(tower)}}},
+        },
+    }
+    path = tmp_path / "catalog.json"
+    path.write_text(json.dumps(catalog))
+    env = {"HF_ENDPOINT": server.url, "HF_HOME": str(tmp_path / "hf"), "CLEF_GGUF_CATALOG": str(path)}
+    server.tower_sha256 = sha256(tower)
+    yield server, env
+    server.stop()
+
+
+def run(env, *args, stdin=None):
+    import os
+
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))} | env
+    return subprocess.run(["clef-gguf", *args], input=stdin, capture_output=True, text=True, env=full,
+                          timeout=300)
+
+
+def test_decide_with_a_catalog_name_downloads_then_works_offline(hub_env):
+    server, env = hub_env
+    first = run(env, "decide", "--model", "clef-flash:auto", stdin=json.dumps(REQUEST))
+    assert first.returncode == 0, first.stdout + first.stderr
+    answer = json.loads(first.stdout)
+    assert 0 <= answer["answers"]["page"]["noul"] <= 1
+    assert answer["audit"]["model_hash"] == server.tower_sha256
+    assert answer["model"] == "clef-flash:Q8_0@testsrc"
+    downloads = [p for m, p in server.requests if m == "GET" and "/resolve/" in p]
+    assert len(downloads) == 4  # tower, head, head config, tokenizer
+
+    offline = run(env | {"HF_HUB_OFFLINE": "1"}, "decide", "--model", "clef-flash:Q8_0",
+                  stdin=json.dumps(REQUEST))
+    assert offline.returncode == 0, offline.stdout + offline.stderr
+    assert json.loads(offline.stdout)["answers"] == answer["answers"]
+
+
+def test_offline_flag_refuses_to_download(hub_env):
+    server, env = hub_env
+    proc = run(env, "decide", "--offline", "--model", "clef-flash:Q8_0", stdin=json.dumps(REQUEST))
+    assert proc.returncode == 1
+    err = json.loads(proc.stdout)["error"]
+    assert "pull" in err["message"]
+    assert not [p for m, p in server.requests if m == "GET" and "/resolve/" in p]
+
+
+def test_pull_then_list(hub_env):
+    _, env = hub_env
+    pulled = run(env, "pull", "clef-flash:Q8_0", "--no-progress", "--json")
+    assert pulled.returncode == 0, pulled.stderr
+    listed = run(env, "list", "--json")
+    assert [m["quant"] for m in json.loads(listed.stdout)] == ["Q8_0"]
