@@ -1,0 +1,68 @@
+"""``clef-gguf bench``: where the time of one decision goes on this machine (median ms per stage).
+
+The request is synthetic: a state padded to about ``--tokens`` prompt tokens and three questions
+(noul, 4-way choice, 5-level score). Stages are measured inside one process, side by side, so the
+split is meaningful even on a noisy shared machine; absolute numbers are this machine's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+SENTENCE = ("Customer 4471 reports that the March invoice was charged twice and asks for a refund "
+            "of the duplicate payment before the end of the week. ")
+QUESTIONS = {
+    "refund": {"type": "noul", "instructions": "Should the duplicate charge be refunded?"},
+    "team": {"type": "choice", "instructions": "Which team handles this?",
+             "criteria": {"billing": "Payments, invoices and refunds", "support": None,
+                          "fraud": "Suspicious activity", "sales": "Plans and upgrades"}},
+    "urgency": {"type": "score", "instructions": "How urgent is it?",
+                "criteria": ["none", "low", "medium", "high", "critical"]},
+}
+
+
+def sized_request(clef, tokens: int) -> dict:
+    """A request whose prompt is as close to ``tokens`` as whole sentences allow (not over)."""
+    base = {"state": "", "questions": QUESTIONS}
+    fixed = clef.prepare(base).encoded.n_tokens
+    per = max(1, len(clef.encoder.tokenizer.encode(SENTENCE, add_special_tokens=False).ids))
+    n = max(0, (tokens - fixed) // per)
+    while n > 0 and clef.prepare({**base, "state": SENTENCE * n}).encoded.n_tokens > tokens:
+        n -= 1
+    return {**base, "state": SENTENCE * n}
+
+
+def measure(clef, request: dict, repeat: int) -> dict:
+    clef.run(clef.prepare(request))  # warm-up: page in the mmap, fill the lexical cache
+    runs = [clef.run(clef.prepare(request))[1] for _ in range(repeat)]
+    stages = ("encode", "tower", "lexical", "head", "total")
+    return {"tokens": runs[0]["tokens"], "repeat": repeat,
+            "median_ms": {s: round(statistics.median(r[s] for r in runs), 2) for s in stages}}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from clef_gguf.cli import add_model_arguments
+
+    add_model_arguments(p)
+    p.add_argument("--tokens", type=int, default=400, help="prompt size to aim for (default 400)")
+    p.add_argument("--repeat", type=int, default=5, help="measured runs after one warm-up (default 5)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from clef_gguf import errors
+    from clef_gguf.cli import load_model
+
+    if args.tokens < 1 or args.repeat < 1:
+        raise errors.InvalidValue("--tokens and --repeat must be positive", field="tokens")
+    with load_model(args) as clef:
+        request = sized_request(clef, args.tokens)
+        result = measure(clef, request, args.repeat)
+        if result["tokens"] > args.tokens:  # say so rather than silently measure something else
+            result["note"] = (f"the questions alone take {result['tokens']} tokens with this "
+                              f"tokenizer, more than --tokens {args.tokens}")
+        result |= {"model": clef.info["name"], "quant": clef.info["quant"],
+                   "head_dtype": clef.info["head_dtype"], "threads": clef.tower.threads}
+    print(json.dumps(result, indent=2))
+    return 0

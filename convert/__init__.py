@@ -1,0 +1,1 @@
+"""Hugging Face Clef release -> clef-gguf model directory, and a random tiny release for tests."""
