@@ -106,7 +106,7 @@ class _Context:
         params.n_batch = n_batch
         params.n_ubatch = n_batch  # fixed: GDN chunking makes results depend slightly on it
         params.n_seq_max = 1  # one recurrent-state slot (~50 MiB for the 9B), not 256
-        params.n_threads = params.n_threads_batch = threads
+        params.n_threads = params.n_threads_batch = self.threads = threads
         params.pooling_type = ll.LLAMA_POOLING_TYPE_NONE
         params.attention_type = ll.LLAMA_ATTENTION_TYPE_CAUSAL
         self.nextn = _set_nextn is not None and _get_nextn is not None
@@ -169,6 +169,10 @@ class Tower:
     @property
     def n_ctx(self) -> int:
         return self._ctx.n_ctx
+
+    @property
+    def threads(self) -> int:
+        return self._ctx.threads
 
     @property
     def uses_nextn(self) -> bool:
