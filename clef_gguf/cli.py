@@ -23,7 +23,11 @@ COMMANDS = {
     "demo": ("clef_gguf.convert.cli", "add_demo_arguments", "run_demo",
              "build a tiny RANDOM-weight Clef release offline and convert it (pipeline demo)"),
     "convert": ("clef_gguf.convert.cli", "add_convert_arguments", "run_convert",
-                "convert a Hugging Face Clef release directory to a tower GGUF + head files"),
+                "convert a Hugging Face Clef release directory to a tower GGUF + head files "
+                "(for a native clef-arch GGUF use: clef-gguf convert split FILE OUT)"),
+    "convert-split": ("clef_gguf.convert.split", "add_split_arguments", "run_split",
+                      "split a native clef-arch GGUF (head inside) into a qwen35 tower GGUF + "
+                      "head files, without re-quantizing; also spelled `convert split`"),
     "serve": ("clef_gguf.server", "add_arguments", "run",
               "serve POST /v1/systemone (SystemOne wire format) on a local HTTP port"),
     "pull": ("clef_gguf.hub", "add_pull_arguments", "run_pull",
@@ -122,6 +126,9 @@ def _fail(error: errors.ClefError) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["convert", "split"]:  # the spelling; argparse needs one word
+        argv[:2] = ["convert-split"]
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")

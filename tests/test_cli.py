@@ -72,3 +72,12 @@ def test_every_command_has_help():
         proc = clef_gguf(name, "--help", timeout=120)
         assert proc.returncode == 0, (name, proc.stderr)
         assert "usage: clef-gguf " + name in proc.stdout
+
+
+def test_convert_split_spelling_reaches_the_splitter(tiny_model_dir, tmp_path):
+    # A qwen35 tower is not a native clef file: the splitter must refuse it, by name.
+    proc = clef_gguf("convert", "split", tiny_model_dir / "tower-f32.gguf", tmp_path / "out")
+    assert proc.returncode == 1, proc.stderr
+    err = json.loads(proc.stdout)["error"]
+    assert err["code"] == "conversion_error" and "clef" in err["message"]
+    assert not (tmp_path / "out" / "joint_head.safetensors").exists()
