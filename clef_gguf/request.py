@@ -126,17 +126,20 @@ def _from_pydantic(exc: pydantic.ValidationError, body: Any) -> errors.InvalidRe
     return errors.InvalidValue(f"'{where}' {msg}", field=where)
 
 
+def _check_count(qid: str, n: int, limits: tuple[int, int], kind: str, unit: str, where: str) -> None:
+    lo, hi = limits
+    if n < lo:
+        raise errors.TooFewOptions(f"{qid}: a {kind} needs at least {lo} {unit} (got {n})", field=where)
+    if n > hi:
+        raise errors.TooManyOptions(f"{qid}: a {kind} accepts at most {hi} {unit} (got {n})",
+                                    field=where)
+
+
 def _choice_options(qid: str, criteria: Any, where: str) -> tuple[tuple[Option, ...], tuple[str, ...]]:
     if not isinstance(criteria, dict):
         raise errors.InvalidCriteria(
             "choice criteria must be an object {option_id: description}", field=where)
-    lo, hi = CHOICE_OPTIONS
-    if len(criteria) < lo:
-        raise errors.TooFewOptions(f"{qid}: a choice needs at least {lo} options "
-                                   f"(got {len(criteria)})", field=where)
-    if len(criteria) > hi:
-        raise errors.TooManyOptions(f"{qid}: a choice accepts at most {hi} options "
-                                    f"(got {len(criteria)})", field=where)
+    _check_count(qid, len(criteria), CHOICE_OPTIONS, "choice", "options", where)
     if "" in criteria:
         raise errors.InvalidCriteria(f"{qid}: an option id is empty", field=where)
     # Prompt order is Python's str sort (code-point order), exactly as the reference.
@@ -148,13 +151,7 @@ def _score_options(qid: str, criteria: Any, where: str) -> tuple[tuple[Option, .
     if not isinstance(criteria, list):
         raise errors.InvalidCriteria(
             "score criteria must be a list of level descriptions, lowest first", field=where)
-    lo, hi = SCORE_LEVELS
-    if len(criteria) < lo:
-        raise errors.TooFewOptions(f"{qid}: a score needs at least {lo} levels "
-                                   f"(got {len(criteria)})", field=where)
-    if len(criteria) > hi:
-        raise errors.TooManyOptions(f"{qid}: a score accepts at most {hi} levels "
-                                    f"(got {len(criteria)})", field=where)
+    _check_count(qid, len(criteria), SCORE_LEVELS, "score", "levels", where)
     return tuple(Option(str(i), desc) for i, desc in enumerate(criteria)), tuple(criteria)
 
 
