@@ -5,7 +5,13 @@
     clef.decide({"state": "...", "questions": {"urgent": {"type": "noul"}}})
 """
 
+import logging
+
 from clef_gguf.errors import ClefError
+
+# A library logs; the application decides where it goes (without this, llama.cpp's warnings would
+# reach stderr through logging's last-resort handler).
+logging.getLogger("clef_gguf").addHandler(logging.NullHandler())
 
 __version__ = "0.1.0"
 __all__ = ["Clef", "ClefError", "__version__"]

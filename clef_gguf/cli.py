@@ -38,6 +38,8 @@ COMMANDS = {
              "probe this machine and recommend the best quant that fits, saying why"),
     "bench": ("clef_gguf.bench", "add_arguments", "run",
               "time one decision per pipeline stage (encode/tower/lexical/head) on this machine"),
+    "bench-server": ("clef_gguf.bench_server", "add_arguments", "run",
+                     "requests/s and p50/p95 latency of `serve` at concurrency 1, 8, 32"),
     "parity": ("clef_gguf.parity", "add_arguments", "run",
                "compare a converted model with the transformers reference of its release"),
 }

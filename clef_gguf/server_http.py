@@ -1,0 +1,187 @@
+"""HTTP plumbing for the server: error bodies, bounded JSON bodies, request ids, auth, access log.
+
+Kept apart from the routes so that ``server.py`` reads as the API. The middleware is plain ASGI
+(not Starlette's ``BaseHTTPMiddleware``) because that one re-wraps ``receive`` and would hide the
+client's disconnect from the handlers, which need it to drop abandoned work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import re
+import time
+import uuid
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from clef_gguf.errors import ClefError
+
+log = logging.getLogger("clef_gguf.server")
+
+# Request ids we echo must be safe to put in a header and a log line.
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
+CLIENT_CLOSED = 499  # nginx's convention, only for our log line: nothing is sent
+
+
+class ApiError(Exception):
+    """A refusal with the API's error body ``{"error": {"code", "message", "field"}}``."""
+
+    def __init__(self, status: int, code: str, message: str, field: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message, self.field = status, code, message, field
+        self.headers = headers or {}
+
+    @classmethod
+    def from_clef(cls, exc: ClefError) -> ApiError:
+        return cls(exc.status, exc.code, exc.message, exc.field)
+
+    def body(self) -> dict:
+        return {"error": {"code": self.code, "message": self.message, "field": self.field}}
+
+    def response(self) -> Response:
+        return json_response(self.body(), self.status, self.headers)
+
+
+def dumps(obj: Any) -> bytes:
+    """Compact JSON, same object -> same bytes. No NaN: the core refuses non-finite outputs."""
+    try:
+        text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        # A lone surrogate echoed from the request (question id, legend): escape everything.
+        return json.dumps(obj, ensure_ascii=True, separators=(",", ":"),
+                          allow_nan=False).encode("ascii")
+
+
+def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(dumps(obj), status_code=status, headers=headers,
+                    media_type="application/json")
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+async def read_json(request: Request, max_bytes: int) -> Any:
+    """The body decoded with Python ``json`` (int/float kept apart, key order kept: both reach the
+    prompt). Refuses bodies over ``max_bytes`` by Content-Length before reading, and again while
+    reading, for chunked bodies or a lying Content-Length."""
+    length = request.headers.get("content-length")
+    if length is not None:
+        if not length.isdigit():
+            raise ApiError(400, "invalid_content_length", "Content-Length is not a number")
+        if int(length) > max_bytes:
+            raise ApiError(413, "body_too_large",
+                           f"the body is {int(length)} bytes; the limit is {max_bytes}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise ApiError(413, "body_too_large",
+                           f"the body exceeds the limit of {max_bytes} bytes")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw.strip():
+        raise ApiError(422, "invalid_json", "the body is empty; send a JSON object")
+    try:
+        # NaN/Infinity are Python extensions, not JSON: refuse them rather than render them.
+        return json.loads(raw.decode("utf-8"), parse_constant=_no_constants)
+    except UnicodeDecodeError:
+        raise ApiError(422, "invalid_json", "the body is not UTF-8") from None
+    except ValueError as exc:
+        raise ApiError(422, "invalid_json", f"the body is not valid JSON: {exc}") from None
+
+
+async def until_disconnect(request: Request) -> None:
+    """Return when the client closes the connection. Only call after the body was read: then
+    ``receive`` has nothing left to deliver but the disconnect."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def wait_unless_gone(request: Request, future: asyncio.Future) -> bool:
+    """Wait for ``future``; False if the client disconnected first (the future is left alone)."""
+    watcher = asyncio.ensure_future(until_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({future, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        return future in done
+    finally:
+        watcher.cancel()
+
+
+def note(request: Request, **fields: Any) -> None:
+    """Facts for this request's log line (tokens, queue wait, compute time)."""
+    request.scope.setdefault("state", {}).setdefault("clef_log", {}).update(fields)
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.1f}" if isinstance(value, float) else str(value)
+
+
+class RequestContext:
+    """Request id (echo ``X-Request-Id`` or make one), bearer-key check, one log line each.
+
+    The id goes in the ``X-Request-Id`` header only, never in the body, so that the same request
+    always gets the same bytes back.
+    """
+
+    def __init__(self, app: Any, api_key: str | None, open_paths: frozenset[str]) -> None:
+        self.app = app
+        self._key = api_key.encode() if api_key else None
+        self._open = open_paths
+
+    def _authorized(self, headers: dict[bytes, bytes]) -> bool:
+        given = headers.get(b"authorization", b"")
+        scheme, _, token = given.partition(b" ")
+        # compare_digest: the key must not leak through response timing.
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key or b"")
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        headers = dict(scope.get("headers") or [])
+        given = headers.get(b"x-request-id", b"").decode("latin-1")
+        request_id = given if _REQUEST_ID.match(given) else uuid.uuid4().hex
+        state = scope.setdefault("state", {})
+        state["request_id"] = request_id
+        facts = state.setdefault("clef_log", {})
+        status = {"code": 500}  # stays 500 if the app dies before sending anything
+
+        async def send_with_id(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+                message = dict(message)
+                message["headers"] = [*message.get("headers", []),
+                                      (b"x-request-id", request_id.encode("latin-1"))]
+            await send(message)
+
+        try:
+            if self._key is not None and scope["path"] not in self._open \
+                    and not self._authorized(headers):
+                err = ApiError(401, "unauthorized", "missing or wrong API key; send "
+                               "'Authorization: Bearer <key>'",
+                               headers={"WWW-Authenticate": 'Bearer realm="clef-gguf"'})
+                await err.response()(scope, receive, send_with_id)
+            else:
+                await self.app(scope, receive, send_with_id)
+        finally:
+            code = status["code"] if not facts.get("client_gone") else CLIENT_CLOSED
+            # Health probes poll every few seconds; their lines would drown the real traffic.
+            level = logging.DEBUG if scope["path"] in self._open else logging.INFO
+            log.log(level, "%s %s %s status=%d tokens=%s queue_ms=%s compute_ms=%s "
+                    "total_ms=%.1f%s", request_id, scope["method"], scope["path"], code,
+                    _fmt(facts.get("tokens")), _fmt(facts.get("queue_ms")),
+                    _fmt(facts.get("compute_ms")), (time.perf_counter() - started) * 1000.0,
+                    f" error={facts['error']}" if facts.get("error") else "")

@@ -1,0 +1,103 @@
+"""The one model a server serves, loaded in the background so the port answers at once.
+
+``Served`` is ``loading`` until the load thread ends, then ``ok`` or ``error``; the routes ask it
+for the model and get a 503 (with ``Retry-After`` while loading) until it is ready.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from clef_gguf.errors import ClefError
+from clef_gguf.server_http import ApiError
+
+log = logging.getLogger("clef_gguf.server")
+
+LOADING_RETRY_AFTER = "2"
+
+
+class Served:
+    """The one model slot: ``loading`` until the background load ends, then ``ok`` or ``error``."""
+
+    def __init__(self, clef: Any = None, loader: Callable[[], Any] | None = None,
+                 on_load_error: Callable[[ClefError], None] | None = None) -> None:
+        self.clef, self.loader, self.on_load_error = clef, loader, on_load_error
+        self.owned = clef is None  # we close only what we loaded
+        self.error: ClefError | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    @property
+    def status(self) -> str:
+        return "ok" if self.clef is not None else "error" if self.error else "loading"
+
+    def load(self) -> None:
+        """Runs in a daemon thread so the port answers (``loading``) while weights map in."""
+        try:
+            clef = self.loader()
+        except ClefError as exc:
+            self.error = exc
+        except Exception as exc:  # noqa: BLE001 - reported through /health and the exit code
+            log.exception("model load failed")
+            self.error = ClefError(f"model load failed: {type(exc).__name__}: {exc}")
+        else:
+            with self._lock:
+                if self._closed:  # shut down while loading: nobody will use it
+                    clef.close()
+                    return
+                self.clef = clef
+            log.info("model ready: %s", clef.info.get("name"))
+            return
+        log.error("model load failed: %s", self.error)
+        if self.on_load_error is not None:
+            self.on_load_error(self.error)
+
+    def start_loading(self) -> None:
+        self._thread = threading.Thread(target=self.load, name="clef-load", daemon=True)
+        self._thread.start()
+
+    @property
+    def still_loading(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait_loaded(self, timeout: float) -> bool:
+        """Join the load thread (True when it has ended)."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return not self.still_loading
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            if self.owned and self.clef is not None:
+                self.clef.close()
+
+    def require(self) -> Any:
+        if self.clef is not None:
+            return self.clef
+        if self.error is not None:
+            raise ApiError(503, "model_unavailable", f"the model failed to load: "
+                           f"{self.error.message}")
+        raise ApiError(503, "model_loading", "the model is still loading",
+                       headers={"Retry-After": LOADING_RETRY_AFTER})
+
+
+def _loader_for(model: Any, load_kwargs: dict) -> Callable[[], Any]:
+    if callable(model):
+        return model
+    from clef_gguf.runtime import Clef  # lazy: torch + llama.cpp only once a server starts
+
+    return lambda: Clef.load(model, **load_kwargs)
+
+
+def loader_for(model: Any, load_kwargs: dict) -> Callable[[], Any]:
+    """A zero-argument loader: ``model`` itself if callable, else ``Clef.load(model, ...)``."""
+    if callable(model):
+        return model
+    from clef_gguf.runtime import Clef  # lazy: torch + llama.cpp only once a server starts
+
+    return lambda: Clef.load(model, **load_kwargs)

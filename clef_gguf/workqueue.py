@@ -1,0 +1,181 @@
+"""The bounded queue in front of the one model, and the single worker thread that runs it.
+
+Why one worker thread: the model is one llama.cpp context plus one head; ``Clef.run`` holds a lock
+anyway, and llama.cpp already spreads a forward pass over all cores, so running two passes at
+once would only make both slower. Why a bounded queue: a local server that accepts everything
+grows its latency without limit under overload; refusing early with 429 + ``Retry-After`` lets
+clients back off (avrik-sdk retries on exactly that).
+
+The queue lives on the event loop (``asyncio.Queue``); a dispatcher task takes one job at a time
+and runs it in the worker thread, so the event loop never blocks on inference.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+log = logging.getLogger("clef_gguf.server")
+
+
+class QueueFull(Exception):
+    """No room in the queue: answer 429 with ``Retry-After: retry_after`` (seconds)."""
+
+    def __init__(self, retry_after: int) -> None:
+        super().__init__(f"queue full; retry after {retry_after} s")
+        self.retry_after = retry_after
+
+
+class ShuttingDown(Exception):
+    """The server stopped before this job ran."""
+
+
+class Job:
+    """One unit of work: ``fn()`` runs in the worker thread; the caller awaits ``future``.
+
+    ``abandon()`` is called when the client went away. A job still queued is then skipped (never
+    computed); a job already running finishes and its result is thrown away. Long jobs (batches)
+    may poll ``abandoned`` between items to stop early.
+    """
+
+    __slots__ = ("fn", "future", "abandoned", "enqueued", "started", "finished")
+
+    def __init__(self, fn: Callable[["Job"], Any], future: asyncio.Future) -> None:
+        self.fn = fn
+        self.future = future
+        self.abandoned = False
+        self.enqueued = time.perf_counter()
+        self.started: float | None = None
+        self.finished: float | None = None
+
+    def abandon(self) -> None:
+        self.abandoned = True
+
+    @property
+    def wait_ms(self) -> float | None:
+        """Time spent queued, or None if it never started."""
+        return None if self.started is None else (self.started - self.enqueued) * 1000.0
+
+    @property
+    def compute_ms(self) -> float | None:
+        if self.started is None or self.finished is None:
+            return None
+        return (self.finished - self.started) * 1000.0
+
+
+class InferenceQueue:
+    """``maxsize`` jobs may wait while one runs; more are refused with :class:`QueueFull`."""
+
+    def __init__(self, maxsize: int, *, thread_name: str = "clef-worker") -> None:
+        if maxsize < 1:
+            raise ValueError("queue size must be at least 1")
+        self.maxsize = maxsize
+        self._thread_name = thread_name
+        self._queue: asyncio.Queue[Job] | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._dispatcher: asyncio.Task | None = None
+        self._running: Job | None = None
+        self._closed = False
+        # Smoothed seconds per job, only to size Retry-After; starts at a guess of 1 s.
+        self._avg_job_s = 1.0
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        """Create the queue and the worker; call from the event loop that will use them."""
+        self._queue = asyncio.Queue(self.maxsize)
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=self._thread_name)
+        self._dispatcher = asyncio.create_task(self._dispatch(), name="clef-dispatcher")
+
+    async def stop(self) -> None:
+        """Refuse new jobs, let the running job finish, fail the queued ones, stop the thread.
+
+        uvicorn calls this (through the app's lifespan) only after it has stopped accepting
+        connections and waited for open requests, so normally the queue is already empty here.
+        """
+        self._closed = True
+        if self._dispatcher is not None:
+            self._dispatcher.cancel()
+            try:
+                await self._dispatcher
+            except asyncio.CancelledError:
+                pass
+        if self._queue is not None:
+            while not self._queue.empty():
+                self._settle(self._queue.get_nowait(),
+                             exc=ShuttingDown("the server is shutting down"))
+        if self._executor is not None:
+            # Waits for a pass already inside the model: never leave llama.cpp mid-decode.
+            await asyncio.get_running_loop().run_in_executor(
+                None, lambda: self._executor.shutdown(wait=True))
+
+    # ------------------------------------------------------------------ use
+    @property
+    def waiting(self) -> int:
+        return 0 if self._queue is None else self._queue.qsize()
+
+    def waiting_jobs(self) -> tuple[Job, ...]:
+        """A snapshot of the queued jobs, oldest first (for tests and diagnostics)."""
+        # asyncio.Queue keeps its items in a deque named _queue; read-only use.
+        return () if self._queue is None else tuple(self._queue._queue)  # type: ignore
+
+    @property
+    def busy(self) -> bool:
+        return self._running is not None
+
+    def retry_after(self) -> int:
+        """Whole seconds until the queue has probably drained (HTTP wants delay-seconds)."""
+        backlog = self.waiting + (1 if self.busy else 0)
+        return max(1, min(60, math.ceil(backlog * self._avg_job_s)))
+
+    def submit(self, fn: Callable[[Job], Any]) -> Job:
+        """Queue ``fn`` (it receives its :class:`Job`); raise QueueFull or ShuttingDown at once."""
+        if self._closed or self._queue is None:
+            raise ShuttingDown("the server is shutting down")
+        job = Job(fn, asyncio.get_running_loop().create_future())
+        try:
+            self._queue.put_nowait(job)
+        except asyncio.QueueFull:
+            raise QueueFull(self.retry_after()) from None
+        return job
+
+    async def _dispatch(self) -> None:
+        assert self._queue is not None and self._executor is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            job = await self._queue.get()
+            if job.abandoned or job.future.done():
+                continue  # the client left while queued: drop it without computing
+            self._running = job
+            job.started = time.perf_counter()
+            try:
+                result = await loop.run_in_executor(self._executor, job.fn, job)
+            except asyncio.CancelledError:
+                # Shutdown while a pass runs: stop() waits for the thread; the waiter is told.
+                self._settle(job, exc=ShuttingDown("the server is shutting down"))
+                raise
+            except BaseException as exc:  # noqa: BLE001 - handed to the request that owns it
+                job.finished = time.perf_counter()
+                self._settle(job, exc=exc)
+            else:
+                job.finished = time.perf_counter()
+                self._settle(job, result=result)
+            finally:
+                self._running = None
+            seconds = (job.finished - job.started) if job.finished else self._avg_job_s
+            self._avg_job_s = 0.8 * self._avg_job_s + 0.2 * seconds
+
+    @staticmethod
+    def _settle(job: Job, *, result: Any = None, exc: BaseException | None = None) -> None:
+        if job.future.done():
+            return
+        if job.abandoned:
+            job.future.cancel()  # nobody awaits it: no "exception never retrieved" noise
+        elif exc is not None:
+            job.future.set_exception(exc)
+        else:
+            job.future.set_result(result)

@@ -1,0 +1,159 @@
+"""Helpers for the server tests: a real uvicorn server on 127.0.0.1 (in a thread or a process),
+and a wrapper that can hold the model's forward pass so queue states are reached exactly.
+
+Every wait is a bounded poll that stops on its own; no assertion depends on elapsed time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import uvicorn
+
+from clef_gguf.server import create_app
+
+REPO = Path(__file__).resolve().parents[1]
+DEADLINE_S = 60.0  # an upper bound for "should happen": reached only when something is stuck
+
+NOUL = {"type": "noul", "instructions": "Is this urgent?"}
+CHOICE = {"type": "choice", "instructions": "Which team?",
+          "criteria": {"billing": "Payments and refunds", "tech": None, "sales": "New deals"}}
+SCORE = {"type": "score", "instructions": "How angry is the customer?",
+         "criteria": ["calm", "annoyed", "furious"]}
+QUESTIONS = {"urgent": NOUL, "team": CHOICE, "anger": SCORE}
+
+
+def request_body(i: int = 0, **extra) -> dict:
+    """A valid request whose state (and so whose answers) depends on ``i``."""
+    return {"state": {"ticket": f"Refund {i} not received after {i % 30} days",
+                      "amount": 10.5 * i}, "questions": QUESTIONS, **extra}
+
+
+def wait_for(predicate, what: str, deadline: float = DEADLINE_S) -> None:
+    end = time.monotonic() + deadline
+    while not predicate():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+class Gated:
+    """A ``Clef`` whose ``run`` waits for ``gate`` (open by default) and counts passes."""
+
+    def __init__(self, clef) -> None:
+        self.clef = clef
+        self.info, self.provenance = clef.info, getattr(clef, "provenance", None)
+        self.gate = threading.Event()
+        self.gate.set()
+        self.entered = 0  # passes that reached run()
+        self.runs = 0  # passes completed
+        self._lock = threading.Lock()
+
+    def prepare(self, *args, **kwargs):
+        return self.clef.prepare(*args, **kwargs)
+
+    def run(self, prepared):
+        with self._lock:
+            self.entered += 1
+        self.gate.wait(DEADLINE_S)  # bounded: a failing test cannot hang the worker forever
+        out = self.clef.run(prepared)
+        with self._lock:
+            self.runs += 1
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+class ThreadServer:
+    """``create_app(...)`` served by uvicorn in a thread, on a free loopback port."""
+
+    def __init__(self, model, **app_kwargs) -> None:
+        self.app = create_app(model, **app_kwargs)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_config=None,
+                                access_log=False, lifespan="on", timeout_graceful_shutdown=30)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def queue(self):
+        return self.app.state.queue
+
+    def __enter__(self) -> ThreadServer:
+        self.thread.start()
+        wait_for(lambda: self.server.started or not self.thread.is_alive(), "server start")
+        assert self.server.started, "uvicorn did not start"
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True  # what SIGINT/SIGTERM set
+        self.thread.join(DEADLINE_S)
+        assert not self.thread.is_alive(), "server did not stop"
+
+    def __exit__(self, *_exc) -> None:
+        if self.thread.is_alive():
+            self.stop()
+
+
+@contextlib.contextmanager
+def serve_process(tmp_path: Path, *args: str, env: dict | None = None):
+    """``python -m clef_gguf.server ARGS --port P`` as a child process; yields (proc, url, port).
+
+    Its output goes to a file (``proc.log_path``): a pipe nobody reads would fill up with the
+    per-request log lines and block the server.
+    """
+    port = free_port()
+    cmd = [sys.executable, "-m", "clef_gguf.server", *args, "--host", "127.0.0.1",
+           "--port", str(port)]
+    log_path = tmp_path / f"server-{port}.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, **(env or {})})
+    proc.log_path = log_path
+    try:
+        yield proc, f"http://127.0.0.1:{port}", port
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(DEADLINE_S)
+
+
+def server_log(proc: subprocess.Popen) -> str:
+    return proc.log_path.read_text()
+
+
+def wait_healthy(proc: subprocess.Popen, url: str) -> None:
+    def ok() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited with {proc.returncode}: {server_log(proc)}")
+        try:
+            return httpx.get(f"{url}/health", timeout=5).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    wait_for(ok, "the server's /health to say ok")
