@@ -11,6 +11,7 @@ import argparse
 import importlib
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -40,6 +41,8 @@ COMMANDS = {
               "time one decision per pipeline stage (encode/tower/lexical/head) on this machine"),
     "bench-server": ("clef_gguf.bench_server", "add_arguments", "run",
                      "requests/s and p50/p95 latency of `serve` at concurrency 1, 8, 32"),
+    "quant-table": ("clef_gguf.quant_table", "add_arguments", "run",
+                    "agreement of every quant type with the transformers reference (Markdown table)"),
     "parity": ("clef_gguf.parity", "add_arguments", "run",
                "compare a converted model with the transformers reference of its release"),
 }
@@ -142,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(exc)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `clef-gguf ... | head` closed stdout: nothing left to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except Exception as exc:  # a bug, not a user error: say so without a wall of traceback
         if args.debug:
             raise

@@ -15,6 +15,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from clef_gguf import ggufcompat
 from clef_gguf.errors import CorruptModel, ModelNotFound
 
 OUTPUT, TIED = "output.weight", "token_embd.weight"
@@ -25,6 +26,7 @@ def open_gguf(path: str | Path) -> gguf.GGUFReader:
     path = Path(path)
     if not path.is_file():
         raise ModelNotFound(f"GGUF file not found: {path}", field="tower")
+    ggufcompat.ensure()  # PyPI gguf lacks Q2_0: without this a Q2_0 file raises ValueError
     try:
         return gguf.GGUFReader(path, "r")
     except (ValueError, OSError, IndexError, KeyError, TypeError) as exc:

@@ -2,6 +2,9 @@
 
 Both print one JSON summary on stdout; ``demo`` also warns on stderr that its weights are random.
 Errors are raised as ``ClefError`` subclasses and rendered by ``clef_gguf.cli``.
+
+``convert`` takes a Hugging Face release, or an already converted f32/f16/bf16 model directory
+(one with ``clef-gguf.json``), which it only quantizes: convert once, quantize many times.
 """
 
 from __future__ import annotations
@@ -12,21 +15,34 @@ import sys
 import time
 from pathlib import Path
 
+from clef_gguf import files
+from clef_gguf.convert import quantize
 from clef_gguf.convert.hf_to_gguf import convert_release, tower_name
-from clef_gguf.convert.tensor_map import OUTTYPES
 from clef_gguf.convert.tiny import PRESETS, build_release
 
 RANDOM_WARNING = "RANDOM WEIGHTS - for testing the pipeline only; the answers mean nothing."
+OUTTYPE_HELP = ("f32 (default), f16, bf16, q8_0 (written directly; norms and 1-D tensors stay f32), or "
+                "a quant made by llama.cpp's quantizer, any case: "
+                + ", ".join(t for t in quantize.PUBLISHED if t not in ("BF16", "Q8_0")))
 
 
 def add_convert_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", help="Hugging Face release directory (config.json, model*.safetensors, "
-                   "tokenizer.json, joint_head.safetensors, joint_head_config.json)")
+                   "tokenizer.json, joint_head.safetensors, joint_head_config.json), or a converted "
+                   "f32/f16/bf16 model directory to quantize")
     p.add_argument("out", help="output model directory (created if missing)")
-    p.add_argument("--outtype", choices=list(OUTTYPES), default="f32",
-                   help="tower storage type (norms and 1-D tensors stay f32); quantize further "
-                        "with llama.cpp's llama-quantize from f32/bf16")
+    p.add_argument("--outtype", default="f32", metavar="TYPE", help=OUTTYPE_HELP)
     p.add_argument("--name", help="model name in the GGUF and the manifest (default: SRC's name)")
+    g = p.add_argument_group("llama.cpp quantizer (quant types only)")
+    g.add_argument("--imatrix", metavar="FILE|uniform",
+                   help="importance matrix from llama.cpp's llama-imatrix (GGUF or legacy .dat); "
+                        "IQ1_*, IQ2_*, IQ3_XXS, IQ3_XS and Q2_K_S need one. 'uniform' uses flat "
+                        "weights: the file works but is worse than with a calibrated matrix")
+    g.add_argument("--output-type", metavar="GGML_TYPE",
+                   help="force output.weight (the lexical rows) to this tensor type, e.g. Q8_0")
+    g.add_argument("--token-embedding-type", metavar="GGML_TYPE",
+                   help="force token_embd.weight to this tensor type")
+    g.add_argument("--threads", type=int, help="quantizer threads (default: all available)")
 
 
 def _summary(out: Path, outtype: str, seconds: float, **extra) -> str:
@@ -36,8 +52,17 @@ def _summary(out: Path, outtype: str, seconds: float, **extra) -> str:
 
 def run_convert(args: argparse.Namespace) -> int:
     start = time.perf_counter()
-    out = convert_release(args.src, args.out, outtype=args.outtype, name=args.name)
-    print(_summary(out, args.outtype, time.perf_counter() - start))
+    outtype = quantize.canonical_outtype(args.outtype)
+    options = {"imatrix": args.imatrix, "output_type": args.output_type,
+               "token_embedding_type": args.token_embedding_type, "threads": args.threads}
+    src = Path(args.src)
+    extra = {}
+    if (src / files.MANIFEST).is_file():  # a converted model directory: quantize its tower
+        out = quantize.quantize_model(src, args.out, outtype, name=args.name, **options)
+        extra["quantization"] = files.read_manifest(out).get("source", {}).get("quantization")
+    else:
+        out = convert_release(src, args.out, outtype=outtype, name=args.name, **options)
+    print(_summary(out, outtype, time.perf_counter() - start, **extra))
     return 0
 
 
@@ -48,7 +73,9 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
                    help="size of the random model (tiny: instant; medium: ~0.66B parameters, "
                         "~1.3 GB, for timing only)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
-    p.add_argument("--outtype", choices=list(OUTTYPES), default="f32", help="tower storage type")
+    p.add_argument("--outtype", default="f32", metavar="TYPE",
+                   help=OUTTYPE_HELP + " (quants get a uniform importance matrix: the weights are "
+                   "random, there is nothing to calibrate)")
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -56,7 +83,9 @@ def run_demo(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     out = Path(args.out)
     release = build_release(out / "release", preset=args.preset, seed=args.seed)
-    convert_release(release, out, outtype=args.outtype, name=f"clef-random-{args.preset}-seed{args.seed}")
-    print(_summary(out, args.outtype, time.perf_counter() - start, release=str(release),
+    outtype = quantize.canonical_outtype(args.outtype)
+    convert_release(release, out, outtype=outtype, name=f"clef-random-{args.preset}-seed{args.seed}",
+                    imatrix=None if outtype in quantize.DIRECT_TYPES else "uniform")
+    print(_summary(out, outtype, time.perf_counter() - start, release=str(release),
                    preset=args.preset, seed=args.seed, warning=RANDOM_WARNING))
     return 0

@@ -304,8 +304,25 @@ def _copy(src: Path, dst: Path) -> None:
         shutil.copyfile(src, dst)
 
 
-def convert_release(src, out, *, outtype: str = "f32", name: str | None = None) -> Path:
-    """Convert the HF release in ``src`` into the clef-gguf model directory ``out``; returns ``out``."""
+def convert_release(src, out, *, outtype: str = "f32", name: str | None = None, imatrix=None,
+                    output_type: str | None = None, token_embedding_type: str | None = None,
+                    threads: int | None = None) -> Path:
+    """Convert the HF release in ``src`` into the clef-gguf model directory ``out``; returns ``out``.
+
+    ``outtype`` is f32/f16/bf16/q8_0 (written here) or any published quant (``Q4_K_M``...; any
+    case), which ``convert.quantize`` makes with llama.cpp's quantizer; the other keywords are
+    its options (importance matrix, forced output/token-embedding types, threads).
+    """
+    from clef_gguf.convert import quantize
+
+    outtype = quantize.canonical_outtype(outtype)
+    quant_options = {"imatrix": imatrix, "output_type": output_type,
+                     "token_embedding_type": token_embedding_type, "threads": threads}
+    if outtype in tm.OUTTYPES and any(v is not None for v in quant_options.values()):
+        raise ConversionError(f"--imatrix/--output-type/--token-embedding-type/--threads apply to "
+                              f"llama.cpp quant types, not to {outtype}")
+    for value in (output_type, token_embedding_type):
+        quantize.ggml_type(value)  # a typo fails now, not after the conversion
     src, out = Path(src), Path(out)
     if not src.is_dir():
         raise ModelNotFound(f"source directory not found: {src}", field="src")
@@ -322,7 +339,10 @@ def convert_release(src, out, *, outtype: str = "f32", name: str | None = None) 
     out.mkdir(parents=True, exist_ok=True)
     name = name or src.resolve().name
     tower = tower_name(outtype)
-    summary = write_tower(src, out / tower, outtype=outtype, name=name)
+    if outtype in tm.OUTTYPES:
+        summary = write_tower(src, out / tower, outtype=outtype, name=name)
+    else:
+        summary = quantize.write_quantized_tower(src, out / tower, outtype, name=name, **quant_options)
     for fname in (files.HEAD_WEIGHTS, files.HEAD_CONFIG, files.TOKENIZER):
         _copy(src / fname, out / fname)
     source = {"path": str(src.resolve()), **summary,

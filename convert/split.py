@@ -82,7 +82,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from clef_gguf import files
+from clef_gguf import files, ggufcompat
 from clef_gguf.errors import ClefError, ConversionError, ModelNotFound
 
 SRC_ARCH, DST_ARCH = "clef", "qwen35"
@@ -180,6 +180,7 @@ def _mapping(routing: int, layers: int) -> list[tuple[str, tuple[str, ...], str]
 def _open(src: Path) -> gguf.GGUFReader:
     if not src.is_file():
         raise ModelNotFound(f"native GGUF not found: {src}", field="src")
+    ggufcompat.ensure()  # a Q2_0 tower tensor would make PyPI gguf's reader raise
     try:
         reader = gguf.GGUFReader(src)
     except Exception as exc:  # gguf-py raises ValueError/struct.error/... on a bad file

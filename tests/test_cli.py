@@ -81,3 +81,14 @@ def test_convert_split_spelling_reaches_the_splitter(tiny_model_dir, tmp_path):
     err = json.loads(proc.stdout)["error"]
     assert err["code"] == "conversion_error" and "clef" in err["message"]
     assert not (tmp_path / "out" / "joint_head.safetensors").exists()
+
+
+def test_closed_stdout_is_not_a_traceback(tiny_model_dir):
+    # `clef-gguf decide ... | head -c 10`: the reader goes away before the answer is written.
+    exe = shutil.which("clef-gguf")
+    proc = subprocess.Popen([exe, "decide", "-m", str(tiny_model_dir)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()
+    _, err = proc.communicate(json.dumps(REQUEST), timeout=300)
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
