@@ -19,10 +19,12 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
+import numpy as np
 import torch
 from safetensors import safe_open
 
@@ -252,6 +254,24 @@ def plan_tensors(src: Path, arch: str, text: dict, outtype: str) -> tuple[tm.Dim
 
 # --------------------------------------------------------------------------- writing
 
+def stream_gguf(writer: gguf.GGUFWriter, path: Path, payloads: Iterable[np.ndarray]) -> None:
+    """Header, then each tensor's bytes as they come (one tensor in memory at a time); the file
+    appears under its name only when complete, so a failed run never leaves a loadable half."""
+    tmp = path.with_name(path.name + ".partial")
+    try:
+        writer.write_header_to_file(path=tmp)
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for data in payloads:
+            writer.write_tensor_data(data)
+        writer.close()
+        os.replace(tmp, path)
+    except BaseException:
+        writer.close()
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def write_tower(src: Path, path: Path, *, outtype: str = "f32", name: str = "clef",
                 _skip_edits: frozenset[str] = frozenset()) -> dict:
     """Write the tower GGUF; returns a summary. ``_skip_edits`` exists only for negative tests."""
@@ -273,11 +293,8 @@ def write_tower(src: Path, path: Path, *, outtype: str = "f32", name: str = "cle
     for item in plan:
         shape, dtype, nbytes = item.layout
         writer.add_tensor_info(item.gguf_name, shape, dtype, nbytes, raw_dtype=item.qtype)
-    tmp = path.with_name(path.name + ".partial")
-    try:
-        writer.write_header_to_file(path=tmp)
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
+
+    def payloads():
         with contextlib.ExitStack() as stack:
             handles = {}
             for item in plan:
@@ -285,13 +302,9 @@ def write_tower(src: Path, path: Path, *, outtype: str = "f32", name: str = "cle
                     handles[item.file] = stack.enter_context(safe_open(str(item.file), framework="pt"))
                 tensor = handles[item.file].get_tensor(item.hf_name).to(torch.float32)
                 tensor = tm.apply_edits(tensor, item.edits, d, _skip_edits)
-                writer.write_tensor_data(tm.encode(tensor.numpy(), item.qtype))
-        writer.close()
-        os.replace(tmp, path)
-    except BaseException:
-        writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
+                yield tm.encode(tensor.numpy(), item.qtype)
+
+    stream_gguf(writer, path, payloads())
     return {"architecture": arch, "tensors": len(plan), "skipped_tensors": skipped,
             "vocab_size": d.vocab, "tokenizer_tokens": vocab.n_real,
             "config_sha256": hashlib.sha256((src / "config.json").read_bytes()).hexdigest()}

@@ -72,7 +72,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shutil
 import time
 from pathlib import Path
@@ -83,6 +82,7 @@ import torch
 from safetensors.torch import save_file
 
 from clef_gguf import files, ggufcompat
+from clef_gguf.convert.hf_to_gguf import stream_gguf
 from clef_gguf.errors import ClefError, ConversionError, ModelNotFound
 
 SRC_ARCH, DST_ARCH = "clef", "qwen35"
@@ -353,19 +353,7 @@ def write_tower(reader: gguf.GGUFReader, path: Path, head_tensors: set[str]) -> 
         # The reader's array is the stored bytes (uint8 byte-shape for quantized types); the writer
         # maps that back to the same ne, so data and dims are the file's own.
         writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, raw_dtype=t.tensor_type)
-    tmp = path.with_name(path.name + ".partial")
-    try:
-        writer.write_header_to_file(path=tmp)
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        for t in tower:
-            writer.write_tensor_data(t.data)
-        writer.close()
-        os.replace(tmp, path)
-    except BaseException:
-        writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
+    stream_gguf(writer, path, (t.data for t in tower))
     return len(tower), dropped
 
 
