@@ -18,6 +18,7 @@ import torch
 from clef_gguf import answer, errors, files as model_files
 from clef_gguf.encode import DEFAULT_MAX_LENGTH, TEMPLATE_SHA256, Encoded, Encoder
 from clef_gguf.heads import head_scalars, load_head
+from clef_gguf.models.catalog import is_catalog_name
 from clef_gguf.lexical import LexicalRows, field_value, file_type_name, open_gguf
 from clef_gguf.request import Request, parse_request
 from clef_gguf.tower import Tower
@@ -61,12 +62,15 @@ def resolve(model: str | Path | None = None, *, gguf: str | Path | None = None,
         found = model_files.ModelFiles(path, d / model_files.HEAD_WEIGHTS,
                                        d / model_files.HEAD_CONFIG, d / model_files.TOKENIZER,
                                        name=path.stem)
-    elif ":" in str(model) or not path.exists() and "/" not in str(model):
+    elif not path.exists() and is_catalog_name(str(model)):
         from clef_gguf import hub  # catalog names: clef-flash:Q4_K_M, clef-flash:auto
 
         found = hub.resolve(str(model), allow_download=allow_download, context_tokens=context_tokens)
     else:
-        raise errors.ModelNotFound(f"model not found: {model}", field="model")
+        raise errors.ModelNotFound(
+            f"model not found: {model} is neither a model directory or .gguf file, nor a catalog "
+            "name (clef-flash, clef-flash:Q4_K_M, clef:auto, ...; see `clef-gguf list --available`)",
+            field="model")
     # Explicit paths override what the directory or catalog named.
     for role, value in explicit.items():
         if value is not None:

@@ -3,8 +3,7 @@
 ``tiny_release``            the Hugging Face-format release (``build_release(preset="tiny", seed=0)``)
 ``tiny_model_dir_factory``  outtype -> converted clef-gguf model directory (each built once)
 ``tiny_model_dir``          the f32 conversion, what most tests load
-``tiny_hf_hidden``          ids -> transformers ``last_hidden_state`` (float32) of the tiny release;
-                            skips the test when transformers (test-only) is not installed
+``tiny_hf_hidden``          ids -> transformers ``last_hidden_state`` (float32) of the tiny release
 
 Building and converting the tiny release takes well under a second; don't mutate these
 directories in tests, copy them first.
@@ -49,7 +48,7 @@ def tiny_model_dir(tiny_model_dir_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_hf_model(tiny_release):
-    transformers = pytest.importorskip("transformers")
+    import transformers  # a test dependency: its absence must fail the run, not skip the parity tests
     import torch
 
     model = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(tiny_release, dtype=torch.float32)

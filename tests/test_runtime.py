@@ -144,3 +144,10 @@ def test_tower_with_another_architecture_is_refused(tiny_model_dir, tmp_path):
 def test_unknown_precision(tiny_model_dir):
     with pytest.raises(errors.InvalidValue):
         Clef.load(tiny_model_dir, precision="fp8")
+
+
+def test_a_mistyped_directory_is_not_sent_to_the_hub(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(errors.ModelNotFound) as info:
+        Clef.load("demo-modle")
+    assert "neither a model directory" in info.value.message
