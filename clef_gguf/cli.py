@@ -109,7 +109,8 @@ def run_decide(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only ``command``'s module is imported (the others cost torch-sized imports)."""
     parser = argparse.ArgumentParser(
         prog="clef-gguf", description="Clef decision models on a GGUF tower + PyTorch joint head.")
     parser.add_argument("--version", action="version", version=f"clef-gguf {__version__}")
@@ -118,9 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, add, run, help_) in COMMANDS.items():
         p = sub.add_parser(name, help=help_, description=help_)
-        mod = importlib.import_module(module)
-        getattr(mod, add)(p)
-        p.set_defaults(_run=getattr(mod, run))
+        if name == command:
+            mod = importlib.import_module(module)
+            getattr(mod, add)(p)
+            p.set_defaults(_run=getattr(mod, run))
     return parser
 
 
@@ -134,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:2] == ["convert", "split"]:  # the issue's spelling; argparse needs one word
         argv[:2] = ["convert-split"]
-    args = build_parser().parse_args(argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(command).parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     if not args.verbose:
