@@ -81,9 +81,10 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from clef_gguf import files, ggufcompat
+from clef_gguf import files
 from clef_gguf.convert.hf_to_gguf import stream_gguf
-from clef_gguf.errors import ClefError, ConversionError, ModelNotFound
+from clef_gguf.errors import ClefError, ConversionError, CorruptModel, ModelNotFound
+from clef_gguf.lexical import field_value, file_type_name, open_gguf
 
 SRC_ARCH, DST_ARCH = "clef", "qwen35"
 DECISION_TYPE = "clef"
@@ -180,30 +181,24 @@ def _mapping(routing: int, layers: int) -> list[tuple[str, tuple[str, ...], str]
 def _open(src: Path) -> gguf.GGUFReader:
     if not src.is_file():
         raise ModelNotFound(f"native GGUF not found: {src}", field="src")
-    ggufcompat.ensure()  # a Q2_0 tower tensor would make PyPI gguf's reader raise
     try:
-        reader = gguf.GGUFReader(src)
-    except Exception as exc:  # gguf-py raises ValueError/struct.error/... on a bad file
-        raise ConversionError(f"{src.name} is not a readable GGUF file: {exc}") from exc
-    arch = _value(reader, "general.architecture")
+        reader = open_gguf(src)
+    except CorruptModel as exc:  # the same reader as the runtime's; here it is a conversion input
+        raise ConversionError(exc.message) from None
+    arch = field_value(reader, "general.architecture")
     if arch != SRC_ARCH:
         hint = " (already a tower: load it directly)" if arch == DST_ARCH else ""
         raise ConversionError(f"{src.name} has architecture {arch!r}, not {SRC_ARCH!r}: "
                               f"only native-clef GGUFs can be split{hint}")
     if reader.endianess != gguf.GGUFEndian.LITTLE:
         raise ConversionError(f"{src.name} is a big-endian GGUF; only little-endian files are split")
-    if int(_value(reader, "split.count") or 1) > 1:
+    if int(field_value(reader, "split.count") or 1) > 1:
         raise ConversionError(f"{src.name} is one shard of a split GGUF; merge the shards first "
                               "(llama-gguf-split --merge)")
-    dtype = _value(reader, f"{SRC_ARCH}.decision.type")
+    dtype = field_value(reader, f"{SRC_ARCH}.decision.type")
     if dtype is not None and dtype != DECISION_TYPE:
         raise ConversionError(f"{src.name} has {SRC_ARCH}.decision.type {dtype!r}, not {DECISION_TYPE!r}")
     return reader
-
-
-def _value(reader: gguf.GGUFReader, key: str):
-    field = reader.fields.get(key)
-    return None if field is None else field.contents()
 
 
 def _ne(t) -> tuple[int, ...]:
@@ -220,7 +215,7 @@ def _config(reader: gguf.GGUFReader, tensors: dict) -> dict[str, int]:
     config["hidden_size"] = _ne(tensors["decision.hidden_norm.weight"])[-1]
     config["width"] = _ne(tensors["decision.proj_memory.weight"])[0]
     for key, gkey in CONFIG_FROM_KEYS.items():
-        value = _value(reader, f"{SRC_ARCH}.{gkey}")
+        value = field_value(reader, f"{SRC_ARCH}.{gkey}")
         if not isinstance(value, int) or isinstance(value, bool):
             raise ConversionError(f"key {SRC_ARCH}.{gkey} is missing or not an integer")
         config[key] = value
@@ -232,11 +227,11 @@ def _config(reader: gguf.GGUFReader, tensors: dict) -> dict[str, int]:
         check_config(config, source="the decision keys and shapes")
     except ClefError as exc:
         raise ConversionError(exc.message) from None
-    n_embd = _value(reader, f"{SRC_ARCH}.embedding_length")
+    n_embd = field_value(reader, f"{SRC_ARCH}.embedding_length")
     if n_embd is not None and n_embd != config["hidden_size"]:
         raise ConversionError(f"decision.hidden_norm has {config['hidden_size']} values but "
                               f"{SRC_ARCH}.embedding_length is {n_embd}")
-    eps = _value(reader, f"{SRC_ARCH}.attention.layer_norm_epsilon")
+    eps = field_value(reader, f"{SRC_ARCH}.attention.layer_norm_epsilon")
     if eps is not None and not math.isclose(eps, HEAD_NORM_EPS, rel_tol=1e-4):
         raise ConversionError(f"the head's LayerNorm eps is {eps}; the reference head uses {HEAD_NORM_EPS}")
     return config
@@ -357,15 +352,6 @@ def write_tower(reader: gguf.GGUFReader, path: Path, head_tensors: set[str]) -> 
     return len(tower), dropped
 
 
-def quant_label(reader: gguf.GGUFReader) -> str:
-    """``general.file_type`` as the outtype label used in file names and the manifest (q4_k_m, f32...)."""
-    ft = _value(reader, "general.file_type")
-    try:
-        return gguf.LlamaFileType(int(ft)).name.replace("MOSTLY_", "").replace("ALL_", "").lower()
-    except (TypeError, ValueError):
-        return "unknown" if ft is None else f"ftype_{ft}"
-
-
 def split_native(src, out, *, tokenizer=None, name: str | None = None, head_dtype: str = "f32") -> Path:
     """Split the native-clef GGUF ``src`` into the clef-gguf model directory ``out``; returns ``out``.
 
@@ -392,7 +378,7 @@ def split_with_summary(src, out, *, tokenizer=None, name: str | None = None,
     reader = _open(src)
     config, state, used = extract_head(reader)  # every check runs before anything is written
     out.mkdir(parents=True, exist_ok=True)
-    label = quant_label(reader)
+    label = file_type_name(reader)
     tower = f"tower-{label}.gguf"
     n_tensors, dropped = write_tower(reader, out / tower, used)
     save_file({k: v.to(dtypes[head_dtype]).contiguous() for k, v in state.items()},
@@ -400,7 +386,7 @@ def split_with_summary(src, out, *, tokenizer=None, name: str | None = None,
     (out / files.HEAD_CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     if tokenizer is not None and tokenizer.resolve() != (out / files.TOKENIZER).resolve():
         shutil.copyfile(tokenizer, out / files.TOKENIZER)
-    name = name or _value(reader, "general.name") or src.stem
+    name = name or field_value(reader, "general.name") or src.stem
     if (out / files.TOKENIZER).is_file():
         scalars = {k: float(state[k]) for k, _, _ in SCALAR_TABLE}
         source = {"path": str(src.resolve()), "format": "native-clef-gguf", "architecture": SRC_ARCH,

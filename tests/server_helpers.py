@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import uvicorn
 
+from clef_gguf.bench_server import free_port
 from clef_gguf.server import create_app
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,12 +44,6 @@ def wait_for(predicate, what: str, deadline: float = DEADLINE_S) -> None:
         if time.monotonic() > end:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.01)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def port_is_free(port: int) -> bool:
