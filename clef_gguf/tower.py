@@ -68,6 +68,13 @@ _get_nextn = _bind(("llama_get_embeddings_nextn", "_Z26llama_get_embeddings_next
                    [ctypes.c_void_p], ctypes.POINTER(ctypes.c_float))
 
 
+def _extra_buffer_types() -> bool:
+    """ggml's extra weight buffers (CPU repacking, AMX) unless this build has AMX: a native build on
+    an AMX CPU (Sapphire Rapids and later) segfaults decoding Q8_0 towers there, so it gets the
+    plain kernels: slower on Q4_0/Q8_0, never a crash."""
+    return b"AMX_INT8 = 1" not in ll.llama_print_system_info()
+
+
 def default_threads() -> int:
     try:
         return max(1, len(os.sched_getaffinity(0)))
@@ -82,6 +89,7 @@ class _Model:
         params = ll.llama_model_default_params()
         params.load_mode = ll.LLAMA_LOAD_MODE_MMAP
         params.n_gpu_layers = 0
+        params.use_extra_bufts = _extra_buffer_types()
         _LOG_TAIL.clear()
         self.ptr = ll.llama_model_load_from_file(str(path).encode(), params)
         if not self.ptr:
