@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from clef_gguf import __version__, errors
+from clef_gguf.cli_options import add_model_arguments, load_model, read_request
 
 # name -> (module, add-arguments function, run function, one-line help)
 COMMANDS = {
@@ -29,50 +30,23 @@ COMMANDS = {
     "convert-split": ("clef_gguf.convert.split", "add_split_arguments", "run_split",
                       "split a native clef-arch GGUF (head inside) into a qwen35 tower GGUF + "
                       "head files, without re-quantizing; also spelled `convert split`"),
-    "serve": ("clef_gguf.server", "add_arguments", "run",
+    "serve": ("clef_gguf.server.app", "add_arguments", "run",
               "serve POST /v1/systemone (SystemOne wire format) on a local HTTP port"),
-    "pull": ("clef_gguf.hub", "add_pull_arguments", "run_pull",
+    "pull": ("clef_gguf.models.hub", "add_pull_arguments", "run_pull",
              "download a catalog model (tower GGUF + head + tokenizer) at its pinned revision"),
-    "list": ("clef_gguf.hub", "add_list_arguments", "run_list",
+    "list": ("clef_gguf.models.hub", "add_list_arguments", "run_list",
              "show the models in the local Hugging Face cache (or --available: the catalog)"),
-    "pick": ("clef_gguf.device", "add_arguments", "run",
+    "pick": ("clef_gguf.models.device", "add_arguments", "run",
              "probe this machine and recommend the best quant that fits, saying why"),
-    "bench": ("clef_gguf.bench", "add_arguments", "run",
+    "bench": ("clef_gguf.tools.bench", "add_arguments", "run",
               "time one decision per pipeline stage (encode/tower/lexical/head) on this machine"),
-    "bench-server": ("clef_gguf.bench_server", "add_arguments", "run",
+    "bench-server": ("clef_gguf.tools.bench_server", "add_arguments", "run",
                      "requests/s and p50/p95 latency of `serve` at concurrency 1, 8, 32"),
-    "quant-table": ("clef_gguf.quant_table", "add_arguments", "run",
+    "quant-table": ("clef_gguf.tools.quant_table", "add_arguments", "run",
                     "agreement of every quant type with the transformers reference (Markdown table)"),
-    "parity": ("clef_gguf.parity", "add_arguments", "run",
+    "parity": ("clef_gguf.tools.parity", "add_arguments", "run",
                "compare a converted model with the transformers reference of its release"),
 }
-
-
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """Model-selection flags shared by every command that loads a model."""
-    g = p.add_argument_group("model")
-    g.add_argument("--model", "-m", help="a converted model directory, a .gguf next to its head "
-                   "files, or a catalog name such as clef-flash:Q4_K_M / clef-flash:auto")
-    g.add_argument("--gguf", help="tower GGUF path (overrides the directory's)")
-    g.add_argument("--head", help="joint_head.safetensors path")
-    g.add_argument("--head-config", help="joint_head_config.json path")
-    g.add_argument("--tokenizer", help="tokenizer.json path")
-    g.add_argument("--threads", type=int, default=None,
-                   help="CPU threads for the tower (default: all cores available to this process)")
-    g.add_argument("--max-length", type=int, default=16384,
-                   help="prompt window in tokens (reference: 16384); longer requests are refused")
-    g.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
-                   help="head precision: fp32 (default) or bf16 (the reference's numerics)")
-    g.add_argument("--offline", action="store_true",
-                   help="never download: catalog names resolve from the local cache only")
-
-
-def load_model(args: argparse.Namespace):
-    from clef_gguf.runtime import Clef
-
-    return Clef.load(args.model, gguf=args.gguf, head=args.head, head_config=args.head_config,
-                     tokenizer=args.tokenizer, threads=args.threads, max_length=args.max_length,
-                     precision=args.precision, allow_download=not args.offline)
 
 
 def add_decide_arguments(p: argparse.ArgumentParser) -> None:
@@ -84,18 +58,6 @@ def add_decide_arguments(p: argparse.ArgumentParser) -> None:
                         '"truncated": true) instead of refusing the request')
     p.add_argument("--timings", action="store_true",
                    help="print the time per stage (encode/tower/lexical/head, ms) on stderr")
-
-
-def read_request(source: str):
-    try:
-        text = sys.stdin.read() if source == "-" else Path(source).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise errors.InvalidValue(f"cannot read the request: {exc.strerror}: {source}",
-                                  field="request") from None
-    try:
-        return json.loads(text)  # Python's json keeps int/float apart and key order
-    except json.JSONDecodeError as exc:
-        raise errors.InvalidValue(f"the request is not valid JSON: {exc}", field="request") from None
 
 
 def run_decide(args: argparse.Namespace) -> int:

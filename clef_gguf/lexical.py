@@ -9,13 +9,13 @@ the full vocab x hidden table would be ~4 GB in float32 for Clef-Flash.
 from __future__ import annotations
 
 import ctypes
+import enum
 import threading
 from pathlib import Path
 
 import gguf
 import numpy as np
 
-from clef_gguf import ggufcompat
 from clef_gguf.errors import CorruptModel, ModelNotFound
 
 OUTPUT, TIED = "output.weight", "token_embd.weight"
@@ -26,7 +26,7 @@ def open_gguf(path: str | Path) -> gguf.GGUFReader:
     path = Path(path)
     if not path.is_file():
         raise ModelNotFound(f"GGUF file not found: {path}", field="tower")
-    ggufcompat.ensure()  # PyPI gguf lacks Q2_0: without this a Q2_0 file raises ValueError
+    ensure_gguf_types()  # PyPI gguf lacks Q2_0: without this a Q2_0 file raises ValueError
     try:
         return gguf.GGUFReader(path, "r")
     except Exception as exc:  # gguf-py raises ValueError, struct.error, IndexError... on bad bytes
@@ -74,12 +74,17 @@ def _libggml_base() -> ctypes.CDLL:
     raise CorruptModel(f"libggml-base not found in {_ggml.libggml_base_path}")
 
 
-def _ggml_to_float(raw: np.ndarray, type_id: int, n_cols: int) -> np.ndarray:
-    """Dequantize with ggml's routine, for types gguf-py has no numpy code for (Q1_0, Q2_0...)."""
+def _type_traits(type_id: int) -> _TypeTraits:
+    """ggml's ``ggml_get_type_traits(type)``: name, block size, bytes per block, dequantizer."""
     lib = _libggml_base()
     lib.ggml_get_type_traits.restype = ctypes.POINTER(_TypeTraits)
     lib.ggml_get_type_traits.argtypes = [ctypes.c_int]
-    traits = lib.ggml_get_type_traits(type_id).contents
+    return lib.ggml_get_type_traits(type_id).contents
+
+
+def _ggml_to_float(raw: np.ndarray, type_id: int, n_cols: int) -> np.ndarray:
+    """Dequantize with ggml's routine, for types gguf-py has no numpy code for (Q1_0, Q2_0...)."""
+    traits = _type_traits(type_id)
     if not traits.to_float:
         raise CorruptModel(f"ggml has no dequantizer for tensor type {type_id}")
     raw = np.ascontiguousarray(raw)
@@ -87,6 +92,63 @@ def _ggml_to_float(raw: np.ndarray, type_id: int, n_cols: int) -> np.ndarray:
     _TO_FLOAT(traits.to_float)(raw.ctypes.data, out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
                                out.size)
     return out
+
+
+# ---------------------------------------------------------------- ggml types PyPI gguf lacks
+# llama-cpp-python 0.3.36's ggml has GGML_TYPE_Q2_0 = 42 (LLAMA_FTYPE_MOSTLY_Q2_0 = 41); PyPI gguf
+# 0.19.0 does not, and GGUFReader raises ValueError on any file holding one such tensor. So we add
+# the enum members, with (block size, bytes per block) taken from the ggml we run, so the reader
+# slices rows exactly as llama.cpp does; their rows dequantize through ``_ggml_to_float``. A newer
+# gguf that knows these values is left untouched. Values from ggml.h / llama.h of that build:
+MISSING_TYPES = {42: "Q2_0"}
+MISSING_FTYPES = {41: "MOSTLY_Q2_0"}
+
+_done = False
+_lock = threading.Lock()
+
+
+def _add_member(cls: type[enum.IntEnum], name: str, value: int) -> None:
+    """Add ``name = value`` to an existing IntEnum (what ``aenum.extend_enum`` does)."""
+    if value in cls._value2member_map_ or name in cls._member_map_:
+        return
+    member = int.__new__(cls, value)
+    member._name_, member._value_ = name, value
+    member.__objclass__ = cls
+    member._sort_order_ = len(cls._member_names_)
+    type.__setattr__(cls, name, member)  # EnumType.__setattr__ refuses to touch members
+    cls._member_map_[name] = member
+    cls._value2member_map_[value] = member
+    cls._member_names_.append(name)
+
+
+def _ggml_sizes(type_id: int, name: str) -> tuple[int, int]:
+    traits = _type_traits(type_id)
+    found = (traits.type_name or b"").decode()
+    if found.lower() != name.lower():  # another ggml numbering: do not guess
+        raise RuntimeError(f"ggml type {type_id} is {found!r}, expected {name!r}")
+    return int(traits.blck_size), int(traits.type_size)
+
+
+def ensure_gguf_types() -> None:
+    """Idempotent; cheap after the first call. Failures leave gguf as it was."""
+    global _done
+    if _done:
+        return
+    with _lock:
+        if _done:
+            return
+        for value, name in MISSING_TYPES.items():
+            if value in gguf.GGMLQuantizationType._value2member_map_:
+                continue
+            try:
+                sizes = _ggml_sizes(value, name)
+            except (RuntimeError, OSError, ImportError):
+                continue  # the file then fails to open with gguf's own clear ValueError
+            _add_member(gguf.GGMLQuantizationType, name, value)
+            gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(value)] = sizes
+        for value, name in MISSING_FTYPES.items():
+            _add_member(gguf.LlamaFileType, name, value)
+        _done = True
 
 
 class LexicalRows:

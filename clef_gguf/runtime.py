@@ -63,7 +63,7 @@ def resolve(model: str | Path | None = None, *, gguf: str | Path | None = None,
                                        d / model_files.HEAD_CONFIG, d / model_files.TOKENIZER,
                                        name=path.stem)
     elif not path.exists() and is_catalog_name(str(model)):
-        from clef_gguf import hub  # catalog names: clef-flash:Q4_K_M, clef-flash:auto
+        from clef_gguf.models import hub  # catalog names: clef-flash:Q4_K_M, clef-flash:auto
 
         found = hub.resolve(str(model), allow_download=allow_download, context_tokens=context_tokens)
     else:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from clef_gguf import files
 from clef_gguf.convert import quantize
-from clef_gguf.convert.hf_to_gguf import convert_release, tower_name
+from clef_gguf.convert.release import convert_release, tower_name
 from clef_gguf.convert.tiny import PRESETS, build_release
 
 RANDOM_WARNING = "RANDOM WEIGHTS - for testing the pipeline only; the answers mean nothing."

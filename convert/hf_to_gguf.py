@@ -1,8 +1,7 @@
-"""Convert a Hugging Face Clef release into a clef-gguf model directory.
+"""Write the language tower of a Hugging Face Clef release as a GGUF (``write_tower``).
 
-``convert_release(src, out, outtype="f32")`` writes ``out/tower-{outtype}.gguf`` (llama.cpp
-architecture ``qwen35``: the language tower only; the vision tower and the MTP block are skipped),
-copies the joint head files and ``tokenizer.json`` next to it, and writes the manifest.
+The GGUF has llama.cpp architecture ``qwen35``: the language tower only; the vision tower and the
+MTP block are skipped. ``convert.release`` builds a whole model directory around it.
 
 Tensors are streamed: a first pass plans every output tensor from the safetensors headers alone
 (name, shape, storage type, byte size), the GGUF header is written from that plan, and then each
@@ -18,7 +17,6 @@ import contextlib
 import hashlib
 import json
 import os
-import shutil
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,13 +40,9 @@ SUPPORTED = {
 _SOURCE_DTYPES = {"BF16", "F16", "F32"}
 
 
-def tower_name(outtype: str) -> str:
-    return f"tower-{outtype}.gguf"
-
-
 # --------------------------------------------------------------------------- config
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -63,7 +57,7 @@ def load_config(src: Path) -> tuple[dict, dict, str]:
     path = src / "config.json"
     if not path.is_file():
         raise ModelNotFound(f"no config.json in {src}: not a Hugging Face model directory", field="src")
-    config = _read_json(path)
+    config = read_json(path)
     archs = config.get("architectures") or []
     arch = next((a for a in archs if a in SUPPORTED), None)
     if arch is None:
@@ -177,7 +171,7 @@ def checkpoint_files(src: Path) -> list[Path]:
     index = src / "model.safetensors.index.json"
     if index.is_file():
         try:
-            names = sorted(set(_read_json(index)["weight_map"].values()))
+            names = sorted(set(read_json(index)["weight_map"].values()))
         except (KeyError, AttributeError, TypeError) as exc:
             raise ConversionError(f"{index} is malformed: {exc}") from None
         paths = [src / n for n in names]
@@ -284,7 +278,7 @@ def write_tower(src: Path, path: Path, *, outtype: str = "f32", name: str = "cle
     if not tokenizer_json.is_file():
         raise ModelNotFound(f"no tokenizer.json in {src}", field="src")
     tcfg_path = src / "tokenizer_config.json"
-    tcfg = _read_json(tcfg_path) if tcfg_path.is_file() else {}
+    tcfg = read_json(tcfg_path) if tcfg_path.is_file() else {}
     vocab = gguf_vocab.read_vocab(tokenizer_json, d.vocab, tcfg, text)
 
     writer = gguf.GGUFWriter(path=None, arch=ARCH)
@@ -308,60 +302,3 @@ def write_tower(src: Path, path: Path, *, outtype: str = "f32", name: str = "cle
     return {"architecture": arch, "tensors": len(plan), "skipped_tensors": skipped,
             "vocab_size": d.vocab, "tokenizer_tokens": vocab.n_real,
             "config_sha256": hashlib.sha256((src / "config.json").read_bytes()).hexdigest()}
-
-
-def _copy(src: Path, dst: Path) -> None:
-    if not src.is_file():
-        raise ModelNotFound(f"{src.name} not found in {src.parent}", field="src")
-    if src.resolve() != dst.resolve():
-        shutil.copyfile(src, dst)
-
-
-def convert_release(src, out, *, outtype: str = "f32", name: str | None = None, imatrix=None,
-                    output_type: str | None = None, token_embedding_type: str | None = None,
-                    threads: int | None = None) -> Path:
-    """Convert the HF release in ``src`` into the clef-gguf model directory ``out``; returns ``out``.
-
-    ``outtype`` is f32/f16/bf16/q8_0 (written here) or any published quant (``Q4_K_M``...; any
-    case), which ``convert.quantize`` makes with llama.cpp's quantizer; the other keywords are
-    its options (importance matrix, forced output/token-embedding types, threads).
-    """
-    from clef_gguf.convert import quantize
-
-    outtype = quantize.canonical_outtype(outtype)
-    quant_options = {"imatrix": imatrix, "output_type": output_type,
-                     "token_embedding_type": token_embedding_type, "threads": threads}
-    if outtype in tm.OUTTYPES and any(v is not None for v in quant_options.values()):
-        raise ConversionError(f"--imatrix/--output-type/--token-embedding-type/--threads apply to "
-                              f"llama.cpp quant types, not to {outtype}")
-    for value in (output_type, token_embedding_type):
-        quantize.ggml_type(value)  # a typo fails now, not after the conversion
-    src, out = Path(src), Path(out)
-    if not src.is_dir():
-        raise ModelNotFound(f"source directory not found: {src}", field="src")
-    _, text, _ = load_config(src)
-    head_cfg_path = src / files.HEAD_CONFIG
-    if head_cfg_path.is_file():  # fail before the slow part if the head belongs to another tower
-        head_hidden = _read_json(head_cfg_path).get("hidden_size")
-        if head_hidden is not None and head_hidden != text.get("hidden_size"):
-            raise ConversionError(f"{files.HEAD_CONFIG} has hidden_size {head_hidden}, "
-                                  f"the tower has {text.get('hidden_size')}")
-    for role in (files.HEAD_WEIGHTS, files.HEAD_CONFIG):
-        if not (src / role).is_file():
-            raise ModelNotFound(f"{role} not found in {src}", field="src")
-    out.mkdir(parents=True, exist_ok=True)
-    name = name or src.resolve().name
-    tower = tower_name(outtype)
-    if outtype in tm.OUTTYPES:
-        summary = write_tower(src, out / tower, outtype=outtype, name=name)
-    else:
-        summary = quantize.write_quantized_tower(src, out / tower, outtype, name=name, **quant_options)
-    for fname in (files.HEAD_WEIGHTS, files.HEAD_CONFIG, files.TOKENIZER):
-        _copy(src / fname, out / fname)
-    source = {"path": str(src.resolve()), **summary,
-              "random_weights": (src / "RANDOM_WEIGHTS.json").is_file()}
-    files.write_manifest(out, name, outtype,
-                         {"tower": tower, "head_weights": files.HEAD_WEIGHTS,
-                          "head_config": files.HEAD_CONFIG, "tokenizer": files.TOKENIZER},
-                         extra={"source": source})
-    return out

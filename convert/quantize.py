@@ -69,9 +69,9 @@ def ggml_type(name: str | None) -> int | None:
         return None
     import gguf
 
-    from clef_gguf import ggufcompat
+    from clef_gguf.lexical import ensure_gguf_types
 
-    ggufcompat.ensure()
+    ensure_gguf_types()
     member = gguf.GGMLQuantizationType.__members__.get(str(name).upper())
     if member is None or member.name in ("I8", "I16", "I32", "I64", "F64", "Q8_1", "Q8_K"):
         known = [t.name for t in gguf.GGMLQuantizationType if t.name not in ("I8", "I16", "I32",
@@ -210,31 +210,6 @@ def tensor_types(path) -> dict:
         if t.name == "output.weight" or (t.name == "token_embd.weight" and out is None):
             out = t.tensor_type.name
     return {"tensor_types": dict(sorted(counts.items())), "output_weight": out}
-
-
-def intermediate_type(src: Path) -> str:
-    """bf16 when every matrix in the checkpoint is bf16 (lossless, half of f32's disk), else f32."""
-    from clef_gguf.convert.hf_to_gguf import scan_checkpoint
-
-    found = scan_checkpoint(src)
-    return "bf16" if all(dtype == "BF16" for _, shape, dtype in found.values() if len(shape) >= 2) \
-        else "f32"
-
-
-def write_quantized_tower(src, dst, outtype: str, *, name: str, **options) -> dict:
-    """HF release -> intermediate tower (temp file beside ``dst``) -> llama.cpp quantizer -> ``dst``."""
-    from clef_gguf.convert.hf_to_gguf import write_tower
-
-    src, dst = Path(src), Path(dst)
-    mid_type = intermediate_type(src)
-    tmp = Path(tempfile.mkdtemp(prefix=".clef-gguf-convert-", dir=dst.parent))
-    try:
-        summary = write_tower(src, tmp / f"intermediate-{mid_type}.gguf", outtype=mid_type, name=name)
-        summary["quantization"] = quantize_file(tmp / f"intermediate-{mid_type}.gguf", dst, outtype,
-                                                **options)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return summary
 
 
 def quantize_model(model_dir, out, outtype: str, *, name: str | None = None, **options) -> Path:

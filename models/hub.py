@@ -18,10 +18,10 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from clef_gguf.device import DEFAULT_CONTEXT, DeviceProfile, NoQuantFits, probe, recommend
+from clef_gguf.models.device import DEFAULT_CONTEXT, DeviceProfile, NoQuantFits, probe, recommend
 from clef_gguf.errors import CorruptModel, ModelNotFound
 from clef_gguf.files import ModelFiles
-from clef_gguf.hfcache import SHA256_RE, cache_dir, endpoint, offline, repo_dir, stamp, token, verify
+from clef_gguf.models.hfcache import SHA256_RE, cache_dir, endpoint, offline, repo_dir, stamp, token, verify
 from clef_gguf.models.catalog import HEAD_KEYS, Catalog, Family, ModelRef, Source, load_catalog
 
 
@@ -175,7 +175,7 @@ def _materialize(ref: ModelRef, family: Family, *, local_only: bool, progress: b
     if src.role == "native":
         raise ModelNotFound(f"{src.repo} holds native arch-clef GGUFs (head inside) that llama-cpp-python "
                             f"0.3.36 cannot load. Pull {family.name}:{ref.quant} for a tower GGUF + head, or "
-                            "fetch it with clef_gguf.hub.pull_file and run `clef-gguf convert split`.",
+                            "fetch it with clef_gguf.models.hub.pull_file and run `clef-gguf convert split`.",
                             field="model")
     if src.role != "tower":
         raise ModelNotFound(f"{src.repo} is a {src.role} checkpoint, not a GGUF this runtime loads", field="model")

@@ -28,7 +28,7 @@ def tiny_release(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir_factory(tiny_release, tmp_path_factory):
-    from clef_gguf.convert.hf_to_gguf import convert_release
+    from clef_gguf.convert.release import convert_release
 
     made: dict[str, Path] = {}
 

@@ -20,6 +20,14 @@ def test_wheel_layout(tmp_path):
     for needed in ("clef_gguf/heads/joint.py", "clef_gguf/convert/hf_to_gguf.py",
                    "clef_gguf/models/catalog.json", "clef_gguf/cli.py"):
         assert needed in names
+    # every source module of every folder lands in the wheel (a sub-package missing from
+    # pyproject's list would be left out silently)
+    folders = {"clef_gguf": "clef_gguf", "heads": "clef_gguf/heads", "convert": "clef_gguf/convert",
+               "models": "clef_gguf/models"}
+    for folder, target in folders.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            if "__pycache__" not in path.parts:
+                assert f"{target}/{path.relative_to(ROOT / folder).as_posix()}" in names, path
     entry_points = zipfile.ZipFile(wheel).read(
         next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "clef-gguf = clef_gguf.cli:main" in entry_points

@@ -24,13 +24,13 @@ from collections.abc import Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-from clef_gguf import server_schema as schema
+from clef_gguf.server import schema
 from clef_gguf.errors import ClefError, MissingField
-from clef_gguf.server_batch import BatchItem, batch_response, is_batch, parse_batch
-from clef_gguf.server_http import (ApiError, RequestContext, json_response, note, read_json,
+from clef_gguf.server.batch import BatchItem, batch_response, is_batch, parse_batch
+from clef_gguf.server.http import (ApiError, RequestContext, json_response, note, read_json,
                                    wait_unless_gone)
-from clef_gguf.server_state import LOADING_RETRY_AFTER, Served, loader_for
-from clef_gguf.workqueue import InferenceQueue, Job, QueueFull, ShuttingDown
+from clef_gguf.server.state import LOADING_RETRY_AFTER, Served, loader_for
+from clef_gguf.server.workqueue import InferenceQueue, Job, QueueFull, ShuttingDown
 
 log = logging.getLogger("clef_gguf.server")
 
@@ -255,7 +255,7 @@ def _tower_hash(clef: Any) -> str | None:
 # ---------------------------------------------------------------- command line
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """``clef-gguf serve`` flags: the shared model flags plus the server's own."""
-    from clef_gguf.cli import add_model_arguments
+    from clef_gguf.cli_options import add_model_arguments
 
     add_model_arguments(p)
     g = p.add_argument_group("server")
@@ -278,7 +278,7 @@ def run(args: argparse.Namespace) -> int:
     """Serve until Ctrl-C / SIGTERM (exit 0); a model that fails to load raises its ClefError."""
     import uvicorn
 
-    from clef_gguf.cli import load_model
+    from clef_gguf.cli_options import load_model
 
     if args.model is None and args.gguf is None:  # fail before binding, not in the background
         raise MissingField("give --model (a model directory or catalog name) or --gguf with "

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from clef_gguf.server_http import ApiError
+from clef_gguf.server.http import ApiError
 
 AVRIK_KEYS = frozenset({"model", "state", "questions", "options", "calibration"})
 REQUESTS_KEYS = frozenset({"model", "requests"})

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from clef_gguf.errors import ClefError
-from clef_gguf.server_http import ApiError
+from clef_gguf.server.http import ApiError
 
 log = logging.getLogger("clef_gguf.server")
 

@@ -52,7 +52,7 @@ def measure(clef, request: dict, repeat: int) -> dict:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from clef_gguf.cli import add_model_arguments
+    from clef_gguf.cli_options import add_model_arguments
 
     add_model_arguments(p)
     p.add_argument("--tokens", type=int, default=400, help="prompt size to aim for (default 400)")
@@ -61,7 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from clef_gguf import errors
-    from clef_gguf.cli import load_model
+    from clef_gguf.cli_options import load_model
 
     if args.tokens < 1 or args.repeat < 1:
         raise errors.InvalidValue("--tokens and --repeat must be positive", field="tokens")

@@ -140,7 +140,7 @@ def run_parity(clef, reference: Reference, requests: list[dict], *, margin: floa
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from clef_gguf.cli import add_model_arguments
+    from clef_gguf.cli_options import add_model_arguments
 
     add_model_arguments(p)
     p.add_argument("--release", required=True,
@@ -153,7 +153,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from clef_gguf.cli import load_model, read_request
+    from clef_gguf.cli_options import load_model, read_request
 
     requests = read_request(args.requests) if args.requests else SAMPLE_REQUESTS
     if not isinstance(requests, list) or not requests:

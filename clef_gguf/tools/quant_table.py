@@ -22,7 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from clef_gguf import errors, parity
+from clef_gguf import errors
+from clef_gguf.tools import parity
 
 DEMO_PRESET, DEMO_SEED = "tiny256", 0
 LABEL = ("**Tiny random model evidence, not a quality claim about Clef-Flash.** The weights are seeded "
@@ -38,7 +39,7 @@ def make_model(base: Path, release: Path, qtype: str, out: Path, *, imatrix=None
                threads: int | None = None) -> Path:
     """The model directory for ``qtype`` (published spelling) made from ``base``/``release``."""
     from clef_gguf.convert import quantize
-    from clef_gguf.convert.hf_to_gguf import convert_release
+    from clef_gguf.convert.release import convert_release
 
     outtype = quantize.canonical_outtype(qtype)
     if outtype in quantize.DIRECT_TYPES:
@@ -63,13 +64,13 @@ def measure(release: Path, types: list[str], workdir: Path, *, requests: list[di
             keep: bool = False, log=print) -> list[dict]:
     """One row per type, in order; model directories go under ``workdir``."""
     from clef_gguf.convert import quantize
-    from clef_gguf.convert.hf_to_gguf import convert_release
+    from clef_gguf.convert.release import convert_release, intermediate_type
     from clef_gguf.runtime import Clef
 
     reference = parity.Reference(release, dtype=reference_dtype)
     ref = [reference.probabilities(r) for r in requests]
     del reference  # the transformers model can be as large as the tower: free it before the loop
-    base_type = quantize.intermediate_type(release)
+    base_type = intermediate_type(release)
     base = convert_release(release, workdir / f"base-{base_type}", outtype=base_type)
     rows = []
     for qtype in types:
@@ -132,7 +133,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import llama_cpp
 
-    from clef_gguf.cli import read_request
+    from clef_gguf.cli_options import read_request
     from clef_gguf.convert.quantize import canonical_outtype
 
     demo = args.demo or not args.release

@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
 from clef_gguf import files
-from clef_gguf.convert.hf_to_gguf import convert_release, write_tower
+from clef_gguf.convert.hf_to_gguf import write_tower
+from clef_gguf.convert.release import convert_release
 from clef_gguf.errors import ConversionError, ModelNotFound
 
 PARITY_TEXTS = [

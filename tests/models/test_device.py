@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from clef_gguf import device
-from clef_gguf.device import GPU, GiB, DeviceProfile, NoQuantFits, recommend
+from clef_gguf.models import device
+from clef_gguf.models.device import GPU, GiB, DeviceProfile, NoQuantFits, recommend
 from clef_gguf.models import Catalog
 
 X86 = frozenset({"avx2", "fma", "sse4_2"})

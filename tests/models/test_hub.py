@@ -9,8 +9,8 @@ import os
 import pytest
 
 from _fakehub import FakeHub, sha256
-from clef_gguf import hub
-from clef_gguf.device import GiB, DeviceProfile, NoQuantFits
+from clef_gguf.models import hub
+from clef_gguf.models.device import GiB, DeviceProfile, NoQuantFits
 from clef_gguf.errors import CorruptModel, ModelNotFound
 from clef_gguf.models.catalog import CATALOG_ENV, Catalog
 

@@ -18,10 +18,10 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from clef_gguf.bench_server import free_port
-from clef_gguf.server import create_app
+from clef_gguf.tools.bench_server import free_port
+from clef_gguf.server.app import create_app
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEADLINE_S = 60.0  # an upper bound for "should happen": reached only when something is stuck
 
 NOUL = {"type": "noul", "instructions": "Is this urgent?"}

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from clef_gguf import Clef
-from clef_gguf.parity import SAMPLE_REQUESTS, Reference, compare, run_parity
+from clef_gguf.tools.parity import SAMPLE_REQUESTS, Reference, compare, run_parity
 
 
 @pytest.fixture(scope="module")

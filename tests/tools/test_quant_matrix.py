@@ -16,10 +16,10 @@ import gguf
 import numpy as np
 import pytest
 
-from clef_gguf import Clef, ggufcompat
+from clef_gguf import Clef, lexical
 from clef_gguf.convert import imatrix as im
 from clef_gguf.convert import quantize as qz
-from clef_gguf.convert.hf_to_gguf import convert_release
+from clef_gguf.convert.release import convert_release
 from clef_gguf.errors import ConversionError
 from clef_gguf.lexical import LexicalRows, _ggml_to_float, open_gguf
 
@@ -144,7 +144,7 @@ def test_release_path_equals_quantizing_the_f32_model(release256, model_for, tmp
 @pytest.mark.parametrize("otype", list(OUTPUT_TYPES))
 def test_lexical_rows_from_every_output_type(base256, tmp_path, otype):
     """Force output.weight to ``otype``; the runtime reads its rows and decides."""
-    ggufcompat.ensure()
+    lexical.ensure_gguf_types()
     out = qz.quantize_model(base256, tmp_path / "m", "Q8_0", output_type=otype, threads=2,
                             imatrix=im.UNIFORM if otype in qz.GGML_NEEDS_IMATRIX else None, timeout=LIMIT)
     tower = out / "tower-q8_0.gguf"
@@ -259,7 +259,7 @@ def test_quant_table_demo_writes_labelled_markdown(tmp_path, capsys):
     import argparse
 
     import transformers  # noqa: F401  (test dependency: fail, never skip)
-    from clef_gguf import quant_table
+    from clef_gguf.tools import quant_table
 
     parser = argparse.ArgumentParser()
     quant_table.add_arguments(parser)

@@ -1,0 +1,99 @@
+"""Convert a Hugging Face Clef release into a clef-gguf model directory.
+
+``convert_release(src, out, outtype="f32")`` writes ``out/tower-{outtype}.gguf`` (``hf_to_gguf``
+writes f32/f16/bf16/q8_0 directly; every other published quant goes through an intermediate GGUF
+and llama.cpp's quantizer, ``quantize``), copies the joint head files and ``tokenizer.json`` next to
+it, and writes the manifest.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+from clef_gguf import files
+from clef_gguf.convert import quantize
+from clef_gguf.convert import tensor_map as tm
+from clef_gguf.convert.hf_to_gguf import load_config, read_json, scan_checkpoint, write_tower
+from clef_gguf.errors import ConversionError, ModelNotFound
+
+
+def tower_name(outtype: str) -> str:
+    return f"tower-{outtype}.gguf"
+
+
+def intermediate_type(src: Path) -> str:
+    """bf16 when every matrix in the checkpoint is bf16 (lossless, half of f32's disk), else f32."""
+    found = scan_checkpoint(src)
+    return "bf16" if all(dtype == "BF16" for _, shape, dtype in found.values() if len(shape) >= 2) \
+        else "f32"
+
+
+def write_quantized_tower(src, dst, outtype: str, *, name: str, **options) -> dict:
+    """HF release -> intermediate tower (temp file beside ``dst``) -> llama.cpp quantizer -> ``dst``."""
+    src, dst = Path(src), Path(dst)
+    mid_type = intermediate_type(src)
+    tmp = Path(tempfile.mkdtemp(prefix=".clef-gguf-convert-", dir=dst.parent))
+    try:
+        summary = write_tower(src, tmp / f"intermediate-{mid_type}.gguf", outtype=mid_type, name=name)
+        summary["quantization"] = quantize.quantize_file(tmp / f"intermediate-{mid_type}.gguf",
+                                                         dst, outtype, **options)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return summary
+
+
+def _copy(src: Path, dst: Path) -> None:
+    if not src.is_file():
+        raise ModelNotFound(f"{src.name} not found in {src.parent}", field="src")
+    if src.resolve() != dst.resolve():
+        shutil.copyfile(src, dst)
+
+
+def convert_release(src, out, *, outtype: str = "f32", name: str | None = None, imatrix=None,
+                    output_type: str | None = None, token_embedding_type: str | None = None,
+                    threads: int | None = None) -> Path:
+    """Convert the HF release in ``src`` into the clef-gguf model directory ``out``; returns ``out``.
+
+    ``outtype`` is f32/f16/bf16/q8_0 (written here) or any published quant (``Q4_K_M``...; any
+    case), which ``convert.quantize`` makes with llama.cpp's quantizer; the other keywords are
+    its options (importance matrix, forced output/token-embedding types, threads).
+    """
+    outtype = quantize.canonical_outtype(outtype)
+    quant_options = {"imatrix": imatrix, "output_type": output_type,
+                     "token_embedding_type": token_embedding_type, "threads": threads}
+    if outtype in tm.OUTTYPES and any(v is not None for v in quant_options.values()):
+        raise ConversionError(f"--imatrix/--output-type/--token-embedding-type/--threads apply to "
+                              f"llama.cpp quant types, not to {outtype}")
+    for value in (output_type, token_embedding_type):
+        quantize.ggml_type(value)  # a typo fails now, not after the conversion
+    src, out = Path(src), Path(out)
+    if not src.is_dir():
+        raise ModelNotFound(f"source directory not found: {src}", field="src")
+    _, text, _ = load_config(src)
+    head_cfg_path = src / files.HEAD_CONFIG
+    if head_cfg_path.is_file():  # fail before the slow part if the head belongs to another tower
+        head_hidden = read_json(head_cfg_path).get("hidden_size")
+        if head_hidden is not None and head_hidden != text.get("hidden_size"):
+            raise ConversionError(f"{files.HEAD_CONFIG} has hidden_size {head_hidden}, "
+                                  f"the tower has {text.get('hidden_size')}")
+    for role in (files.HEAD_WEIGHTS, files.HEAD_CONFIG):
+        if not (src / role).is_file():
+            raise ModelNotFound(f"{role} not found in {src}", field="src")
+    out.mkdir(parents=True, exist_ok=True)
+    name = name or src.resolve().name
+    tower = tower_name(outtype)
+    if outtype in tm.OUTTYPES:
+        summary = write_tower(src, out / tower, outtype=outtype, name=name)
+    else:
+        summary = write_quantized_tower(src, out / tower, outtype, name=name, **quant_options)
+    for fname in (files.HEAD_WEIGHTS, files.HEAD_CONFIG, files.TOKENIZER):
+        _copy(src / fname, out / fname)
+    source = {"path": str(src.resolve()), **summary,
+              "random_weights": (src / "RANDOM_WEIGHTS.json").is_file()}
+    files.write_manifest(out, name, outtype,
+                         {"tower": tower, "head_weights": files.HEAD_WEIGHTS,
+                          "head_config": files.HEAD_CONFIG, "tokenizer": files.TOKENIZER},
+                         extra={"source": source})
+    return out
