@@ -85,4 +85,6 @@ def envelope(request: Request, probs: list[np.ndarray], n_tokens: int, provenanc
     }
     if truncated:
         response["truncated"] = True
+    if request.warnings:  # keys the reference ignores, named so that a typo does not go unseen
+        response["warnings"] = [dict(w) for w in request.warnings]
     return response

@@ -7,11 +7,11 @@ back into ``clef_gguf.cli``, which imports them.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-from clef_gguf import errors
+from clef_gguf.argtypes import positive_int
+from clef_gguf import errors, request
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -23,14 +23,18 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--head", help="joint_head.safetensors path")
     g.add_argument("--head-config", help="joint_head_config.json path")
     g.add_argument("--tokenizer", help="tokenizer.json path")
-    g.add_argument("--threads", type=int, default=None,
+    g.add_argument("--threads", type=positive_int, default=None,
                    help="CPU threads for the tower (default: all cores available to this process)")
-    g.add_argument("--max-length", type=int, default=16384,
+    g.add_argument("--max-length", type=positive_int, default=16384,
                    help="prompt window in tokens (reference: 16384); longer requests are refused")
     g.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
                    help="head precision: fp32 (default) or bf16 (the reference's numerics)")
     g.add_argument("--offline", action="store_true",
                    help="never download: catalog names resolve from the local cache only")
+    g.add_argument("--strict", action="store_true",
+                   help="refuse keys the reference ignores (unknown_field) and apply Jev's limits "
+                        "(1-64 questions, 2-255 choice options, 2-10 score levels); by default "
+                        "they are ignored and named in the response's \"warnings\"")
 
 
 def load_model(args: argparse.Namespace):
@@ -38,16 +42,14 @@ def load_model(args: argparse.Namespace):
 
     return Clef.load(args.model, gguf=args.gguf, head=args.head, head_config=args.head_config,
                      tokenizer=args.tokenizer, threads=args.threads, max_length=args.max_length,
-                     precision=args.precision, allow_download=not args.offline)
+                     precision=args.precision, allow_download=not args.offline,
+                     strict=args.strict)
 
 
 def read_request(source: str):
     try:
-        text = sys.stdin.read() if source == "-" else Path(source).read_text(encoding="utf-8")
+        raw = sys.stdin.buffer.read() if source == "-" else Path(source).read_bytes()
     except OSError as exc:
         raise errors.InvalidValue(f"cannot read the request: {exc.strerror}: {source}",
                                   field="request") from None
-    try:
-        return json.loads(text)  # Python's json keeps int/float apart and key order
-    except json.JSONDecodeError as exc:
-        raise errors.InvalidValue(f"the request is not valid JSON: {exc}", field="request") from None
+    return request.parse_json(raw)

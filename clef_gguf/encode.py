@@ -28,6 +28,13 @@ OPTIONS_HEADER = "\nALLOWED OPTIONS:\n"
 FIELD_END = "END FIELD\n"
 SUFFIX = "\n<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nJOINT SCHEMA DECISIONS:"
 DEFAULT_MAX_LENGTH = 16384
+# Pieces up to this many characters are cached (the fixed text, ids, option objects): the cache
+# then holds at most 4096 x 256 characters, whatever clients send. Longer pieces are tokenized
+# each time.
+CACHED_PIECE_CHARS = 256
+# Tokens past the window that a bounded state tokenization must still see, so that where the
+# text was cut (inside a word, a merge, a special token) cannot reach the tokens that are kept.
+CUT_MARGIN = 64
 
 # Identifies this prompt layout in the response's audit block.
 TEMPLATE_SHA256 = hashlib.sha256("\x00".join(
@@ -78,7 +85,7 @@ class Encoder:
             raise errors.InvalidValue("max_length must be positive", field="max_length")
         self.tokenizer = tokenizer
         self.max_length = max_length
-        self._ids = lru_cache(maxsize=4096)(self._tokenize)
+        self._cached = lru_cache(maxsize=4096)(self._tokenize)
         self.prefix = self._ids(PREFIX)
         self.suffix = self._ids(SUFFIX)
 
@@ -96,6 +103,21 @@ class Encoder:
 
     def _tokenize(self, text: str) -> tuple[int, ...]:
         return tuple(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def _ids(self, text: str) -> tuple[int, ...]:
+        return self._cached(text) if len(text) <= CACHED_PIECE_CHARS else self._tokenize(text)
+
+    def state_ids(self, text: str, room: int) -> tuple[list[int], bool]:
+        """``(ids, exact)``: the state's ids, all of them (``exact``) or, for a state longer than
+        ``room`` tokens, a prefix whose first ``room`` ids are those of the whole text. Only a
+        bounded prefix of a huge state is tokenized: its tail would be refused or cut anyway."""
+        chars = max(4096, 4 * (room + CUT_MARGIN))  # ~4 characters a token in most text
+        while len(text) > chars:
+            ids = self.tokenizer.encode(text[:chars], add_special_tokens=False).ids
+            if len(ids) > room + CUT_MARGIN:
+                return ids, False
+            chars *= 4
+        return self.tokenizer.encode(text, add_special_tokens=False).ids, True
 
     def _question_pieces(self, index: int, q: Question, out: list[int],
                          spans: list[tuple[int, int]], opt_spans: list[tuple[int, int]]) -> None:
@@ -127,16 +149,16 @@ class Encoder:
             raise errors.ContextTooLarge(
                 f"schema requires {fixed} tokens before state; maximum is {self.max_length}",
                 field="questions")
-        # Long states are tokenized whole (not cached): they rarely repeat.
-        state = self.tokenizer.encode(render(request.state), add_special_tokens=False).ids
         room = self.max_length - fixed
+        state, exact = self.state_ids(render(request.state), room)
         truncated = False
         if len(state) > room:
             if not request.truncate_state:
+                needs = f"{fixed + len(state)} tokens ({len(state)} of them state)" if exact else \
+                    f"more than {fixed + len(state)} tokens"
                 raise errors.ContextTooLarge(
-                    f"the request needs {fixed + len(state)} tokens ({len(state)} of them state); "
-                    f"the window is {self.max_length}. Shorten the state, or ask for "
-                    "truncate_state to keep its first tokens", field="state")
+                    f"the request needs {needs}; the window is {self.max_length}. Shorten the "
+                    "state, or ask for truncate_state to keep its first tokens", field="state")
             state = state[:room]
             truncated = True
 

@@ -32,6 +32,12 @@ class InvalidRequest(ClefError):
     status = 422
 
 
+class InvalidJson(InvalidRequest):
+    """The body is not one JSON document we can read unambiguously."""
+
+    code = "invalid_json"
+
+
 class MissingField(InvalidRequest):
     code = "missing_field"
 

@@ -2,8 +2,8 @@
 
 The head averages ``lm_head.weight[x_t]`` over each option's tokens (spec §4 B). We read only the
 rows we need from the memory-mapped ``output.weight`` (``token_embd.weight`` only when the model
-is tied and has no ``output.weight``), dequantize them to float32 and cache them by token id:
-the full vocab x hidden table would be ~4 GB in float32 for Clef-Flash.
+is tied and has no ``output.weight``), dequantize them to float32 and keep them in a store bounded
+by bytes: the full vocab x hidden table would be ~4 GB in float32 for Clef-Flash.
 """
 
 from __future__ import annotations
@@ -19,6 +19,9 @@ import numpy as np
 from clef_gguf.errors import CorruptModel, ModelNotFound
 
 OUTPUT, TIED = "output.weight", "token_embd.weight"
+# Dequantized rows kept: the device policy's lexical-row budget for Clef-Flash (models/catalog.json)
+# holds 4,096 rows of the 9B's width, more than any request's options need.
+CACHE_BYTES = 64 << 20
 
 
 def open_gguf(path: str | Path) -> gguf.GGUFReader:
@@ -152,9 +155,14 @@ def ensure_gguf_types() -> None:
 
 
 class LexicalRows:
-    """``rows(token_ids) -> float32 [n, H]`` with a per-token cache (thread-safe)."""
+    """``rows(token_ids) -> float32 [n, H]``: dequantized rows in a bounded store (thread-safe).
 
-    def __init__(self, reader: gguf.GGUFReader):
+    The store holds at most ``max_bytes`` of rows (least recently used evicted), so a client
+    cycling through the vocabulary cannot grow it past the device policy's budget. Lookups are
+    array operations (a token -> slot table and one gather), not a Python loop per token.
+    """
+
+    def __init__(self, reader: gguf.GGUFReader, max_bytes: int = CACHE_BYTES):
         tensors = {t.name: t for t in reader.tensors}
         tensor = tensors.get(OUTPUT) or tensors.get(TIED)
         if tensor is None:
@@ -164,8 +172,18 @@ class LexicalRows:
         self.type = gguf.GGMLQuantizationType(tensor.tensor_type)
         self.hidden_size, self.vocab_size = (int(x) for x in tensor.shape[:2])  # ggml order
         self._data = tensor.data
-        self._cache: dict[int, np.ndarray] = {}
+        self.capacity = int(max(1, min(self.vocab_size, max_bytes // (4 * self.hidden_size))))
+        self._store = np.empty((self.capacity, self.hidden_size), dtype=np.float32)
+        self._slot = np.full(self.vocab_size, -1, dtype=np.int64)  # token id -> slot, -1: absent
+        self._owner = np.full(self.capacity, -1, dtype=np.int64)  # slot -> token id
+        self._used = np.zeros(self.capacity, dtype=np.int64)  # slot -> tick of its last use
+        self._tick = 0
         self._lock = threading.Lock()
+
+    @property
+    def cached(self) -> np.ndarray:
+        """Token ids whose rows are in the store."""
+        return np.sort(self._owner[self._owner >= 0])
 
     def _dequantize(self, ids: np.ndarray) -> np.ndarray:
         raw = np.asarray(self._data[ids])
@@ -177,16 +195,34 @@ class LexicalRows:
             rows = _ggml_to_float(raw, int(self.type), self.hidden_size)
         return np.asarray(rows, dtype=np.float32).reshape(len(ids), self.hidden_size)
 
+    def _admit(self, missing: np.ndarray, keep: np.ndarray) -> None:
+        """Put ``missing`` rows in the slots least recently used, never in those of ``keep``."""
+        used = self._used.copy()
+        used[keep] = np.iinfo(np.int64).max
+        slots = np.argpartition(used, missing.size - 1)[:missing.size]
+        evicted = self._owner[slots]
+        self._slot[evicted[evicted >= 0]] = -1
+        self._store[slots] = self._dequantize(missing)
+        self._owner[slots] = missing
+        self._slot[missing] = slots
+
     def rows(self, token_ids: np.ndarray) -> np.ndarray:
-        token_ids = np.asarray(token_ids, dtype=np.int64)
-        if token_ids.size and (token_ids.min() < 0 or token_ids.max() >= self.vocab_size):
-            raise CorruptModel(f"token id {int(token_ids.max())} is outside {self.tensor_name} "
+        token_ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        if token_ids.size == 0:
+            return np.zeros((0, self.hidden_size), dtype=np.float32)
+        bad = token_ids[(token_ids < 0) | (token_ids >= self.vocab_size)]
+        if bad.size:
+            raise CorruptModel(f"token id {int(bad[0])} is outside {self.tensor_name} "
                                f"({self.vocab_size} rows)")
+        unique = np.unique(token_ids)
+        if unique.size > self.capacity:  # more distinct rows than the store holds: no caching
+            return self._dequantize(unique)[np.searchsorted(unique, token_ids)]
         with self._lock:
-            missing = np.unique([t for t in token_ids.tolist() if t not in self._cache])
+            self._tick += 1
+            slots = self._slot[unique]
+            missing = unique[slots < 0]
             if missing.size:
-                for tid, row in zip(missing.tolist(), self._dequantize(missing)):
-                    self._cache[tid] = row
-            if token_ids.size == 0:
-                return np.zeros((0, self.hidden_size), dtype=np.float32)
-            return np.stack([self._cache[t] for t in token_ids.tolist()])
+                self._admit(missing, slots[slots >= 0])
+            slots = self._slot[token_ids]
+            self._used[slots] = self._tick
+            return self._store[slots]

@@ -1,14 +1,18 @@
-"""SystemOne request: the wire shape (pydantic) and the validated, typed form the encoder reads.
+"""SystemOne request: the JSON reader, the wire shape (pydantic) and the typed form the encoder reads.
 
-Reference semantics (spec §3.2, §8): instructions fall back to the question id when missing,
-null or ""; noul criteria are merged over the defaults; choice options are sorted for the prompt
-but reported in request order; score levels are "0".."n-1". On top of the reference, the limits
-the ecosystem enforces (1-64 questions, 2-255 choice options, 2-10 score levels) and the
-rejections where the reference would produce NaN or crash.
+Reference semantics (spec §3.2, §8): instructions (any JSON value) fall back to the question id
+when missing, null or ""; noul criteria are merged over the defaults and other keys are ignored;
+choice options are sorted for the prompt but reported in request order; score levels are
+"0".."n-1". Whatever the reference answers is answered: keys it ignores are ignored too, and named
+in the response's ``warnings``. Refused beyond the reference: only what it cannot answer (it
+crashes, or yields NaN). ``strict`` (``"options": {"strict": true}``, ``--strict``) adds the
+ecosystem's limits (1-64 questions, 2-255 choice options, 2-10 score levels) and turns every
+ignored key into an ``unknown_field`` error.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -22,41 +26,80 @@ NOUL_DEFAULTS = {
     "true": "The proposition is true or the answer is yes.",
     "false": "The proposition is false or the answer is no.",
 }
+# strict mode only: the limits Jev and its clients enforce (not the reference's)
 MAX_QUESTIONS = 64
 CHOICE_OPTIONS = (2, 255)
 SCORE_LEVELS = (2, 10)
+# Deeper values cannot be rendered: Python's json (the reference's too) recurses per level and
+# stops near 1000; refusing earlier keeps the error a clear one.
+MAX_DEPTH = 512
+
+
+# ---------------------------------------------------------------- the JSON reader
+def _refuse_constant(name: str) -> Any:
+    raise errors.InvalidJson(f"{name} is not valid JSON (RFC 8259 has no NaN or Infinity)",
+                             field=None)
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise errors.InvalidJson(f"the key {dup!r} appears twice in one object; JSON readers keep "
+                                 "one of them silently, so send it once", field=dup)
+    return obj
+
+
+def parse_json(raw: bytes | str) -> Any:
+    """The one JSON reader of the CLI and the server: Python ``json`` (int/float kept apart and key
+    order kept, both reach the prompt), refusing what it would otherwise accept silently:
+    duplicate keys, NaN/Infinity, bytes that are not UTF-8, nesting past Python's limit."""
+    try:
+        text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+    except UnicodeDecodeError as exc:
+        raise errors.InvalidJson(f"the body is not UTF-8 (byte {exc.start})",
+                                 field=None) from None
+    if not text.strip():
+        raise errors.InvalidJson("the body is empty; send a JSON object", field=None)
+    try:
+        return json.loads(text, parse_constant=_refuse_constant, object_pairs_hook=_unique_keys)
+    except json.JSONDecodeError as exc:
+        raise errors.InvalidJson(f"not valid JSON: {exc}", field=None) from None
+    except RecursionError:
+        raise errors.InvalidJson("the JSON is nested too deeply to read", field=None) from None
 
 
 class QuestionSpec(pydantic.BaseModel):
-    """One question as sent. Unknown keys are refused: a typo must not silently change the prompt."""
+    """One question as sent; other keys are kept aside to be named in ``warnings``."""
 
-    model_config = pydantic.ConfigDict(extra="forbid")
+    model_config = pydantic.ConfigDict(extra="allow")
 
     type: Literal["noul", "choice", "score"]
-    instructions: str | dict[str, Any] | list[Any] | None = None
+    instructions: Any = None
     criteria: dict[str, Any] | list[Any] | None = None
 
 
 class RequestOptions(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(extra="forbid")
+    model_config = pydantic.ConfigDict(extra="allow")
 
     truncate_state: bool = False
+    strict: bool = False
 
 
 class SystemOneRequest(pydantic.BaseModel):
     """``POST /v1/systemone`` body. ``state`` is any JSON value and is required (null allowed)."""
 
-    model_config = pydantic.ConfigDict(extra="forbid")
+    model_config = pydantic.ConfigDict(extra="allow")
 
     model: str | None = None
     state: Any
     questions: dict[str, QuestionSpec]
     options: RequestOptions | None = None
-    # Accepted so that we can refuse them with a clear reason instead of "unknown field".
     images: list[Any] | None = None
     videos: list[Any] | None = None
     media_kwargs: dict[str, Any] | None = None
-    calibration: str | None = None
+    calibration: Any = None  # not the reference's: it ignores the key whatever its value
 
 
 @dataclass(frozen=True)
@@ -85,6 +128,7 @@ class Request:
     state: Any
     questions: tuple[Question, ...]
     truncate_state: bool = False
+    warnings: tuple[dict, ...] = ()  # what was ignored, for the response's ``warnings``
 
 
 def _field(loc: tuple) -> str:
@@ -114,8 +158,6 @@ def _from_pydantic(exc: pydantic.ValidationError, body: Any) -> errors.InvalidRe
     kind = first["type"]
     if kind == "missing":
         return errors.MissingField(f"'{where}' is required", field=where)
-    if kind == "extra_forbidden":
-        return errors.UnknownField(f"unknown field '{loc[-1]}'", field=where)
     if loc and loc[-1] == "type" and kind == "literal_error":
         return errors.InvalidQuestionType(
             f"type must be noul, choice, or score (got {first.get('input')!r})", field=where)
@@ -126,95 +168,160 @@ def _from_pydantic(exc: pydantic.ValidationError, body: Any) -> errors.InvalidRe
     return errors.InvalidValue(f"'{where}' {msg}", field=where)
 
 
-def _check_count(qid: str, n: int, limits: tuple[int, int], kind: str, unit: str, where: str) -> None:
-    lo, hi = limits
-    if n < lo:
-        raise errors.TooFewOptions(f"{qid}: a {kind} needs at least {lo} {unit} (got {n})", field=where)
-    if n > hi:
-        raise errors.TooManyOptions(f"{qid}: a {kind} accepts at most {hi} {unit} (got {n})",
-                                    field=where)
+def check_json_values(value: Any, root: str | None = None) -> None:
+    """Every string (keys too) must be encodable as UTF-8 (a lone surrogate from a ``\\ud800``
+    escape is not) and nesting must stay under ``MAX_DEPTH``: else the tokenizer or the renderer
+    would fail deep inside with an error that names nothing."""
+    stack: list[tuple[Any, tuple, int]] = [(value, (), 0)]
+    while stack:
+        node, path, depth = stack.pop()
+        where = _field(((root,) if root else ()) + path) or None
+        if depth > MAX_DEPTH:
+            raise errors.InvalidValue(f"nested deeper than {MAX_DEPTH} levels", field=where)
+        if isinstance(node, str):
+            _check_text(node, where)
+        elif isinstance(node, dict):
+            for key, item in node.items():
+                _check_text(key, where)
+                stack.append((item, path + (key,), depth + 1))
+        elif isinstance(node, list):
+            stack.extend((item, path + (i,), depth + 1) for i, item in enumerate(node))
 
 
-def _choice_options(qid: str, criteria: Any, where: str) -> tuple[tuple[Option, ...], tuple[str, ...]]:
-    if not isinstance(criteria, dict):
+def _check_text(text: str, where: str | None) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise errors.InvalidValue(f"holds a lone surrogate (U+{ord(text[exc.start]):04X} at "
+                                  f"character {exc.start}), which is not text", field=where) from None
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+class _Policy:
+    """Lenient (the reference's behaviour, ignored keys become warnings) or strict (refusals)."""
+
+    def __init__(self, strict: bool):
+        self.strict = strict
+        self.warnings: list[dict] = []
+
+    def ignored(self, where: str, why: str) -> None:
+        if self.strict:
+            raise errors.UnknownField(f"unknown field '{where.rsplit('.', 1)[-1]}' ({why})",
+                                      field=where)
+        self.warnings.append({"code": "ignored_field", "field": where,
+                              "message": f"'{where}' was ignored: {why}"})
+
+    def extras(self, model: pydantic.BaseModel, prefix: str, why: str) -> None:
+        for key in model.model_extra or {}:
+            self.ignored(f"{prefix}{key}", why)
+
+    def count(self, qid: str, n: int, limits: tuple[int, int], kind: str, unit: str,
+              where: str) -> None:
+        if not self.strict:
+            return
+        lo, hi = limits
+        if n < lo:
+            raise errors.TooFewOptions(f"{qid}: a {kind} needs at least {lo} {unit} (got {n})",
+                                       field=where)
+        if n > hi:
+            raise errors.TooManyOptions(f"{qid}: a {kind} accepts at most {hi} {unit} (got {n})",
+                                        field=where)
+
+
+def _choice_options(qid: str, criteria: Any, where: str,
+                    policy: _Policy) -> tuple[tuple[Option, ...], tuple[str, ...]]:
+    if not isinstance(criteria, dict):  # the reference crashes on a list here
         raise errors.InvalidCriteria(
             "choice criteria must be an object {option_id: description}", field=where)
-    _check_count(qid, len(criteria), CHOICE_OPTIONS, "choice", "options", where)
-    if "" in criteria:
+    policy.count(qid, len(criteria), CHOICE_OPTIONS, "choice", "options", where)
+    if policy.strict and "" in criteria:
         raise errors.InvalidCriteria(f"{qid}: an option id is empty", field=where)
     # Prompt order is Python's str sort (code-point order), exactly as the reference.
     prompt = tuple(Option(key, criteria[key]) for key in sorted(criteria, key=str))
     return prompt, tuple(criteria)
 
 
-def _score_options(qid: str, criteria: Any, where: str) -> tuple[tuple[Option, ...], tuple[Any, ...]]:
-    if not isinstance(criteria, list):
+def _score_options(qid: str, criteria: Any, where: str,
+                   policy: _Policy) -> tuple[tuple[Option, ...], tuple[Any, ...]]:
+    if not isinstance(criteria, list):  # the reference's legend lookup crashes on an object
         raise errors.InvalidCriteria(
             "score criteria must be a list of level descriptions, lowest first", field=where)
-    _check_count(qid, len(criteria), SCORE_LEVELS, "score", "levels", where)
+    policy.count(qid, len(criteria), SCORE_LEVELS, "score", "levels", where)
     return tuple(Option(str(i), desc) for i, desc in enumerate(criteria)), tuple(criteria)
 
 
-def _noul_options(criteria: Any, where: str) -> tuple[Option, ...]:
+def _noul_options(criteria: Any, where: str, policy: _Policy) -> tuple[Option, ...]:
     if criteria is None:
         criteria = {}
     if not isinstance(criteria, dict):
         raise errors.InvalidCriteria(
             'noul criteria must be an object {"true": ..., "false": ...} or omitted', field=where)
-    unknown = [k for k in criteria if k not in NOUL_DEFAULTS]
-    if unknown:
-        # The reference ignores these; refusing tells the caller their text was not used.
-        raise errors.InvalidCriteria(
-            f"noul criteria accept only the keys 'true' and 'false' (got {unknown[0]!r})",
-            field=f"{where}.{unknown[0]}")
+    for key in criteria:
+        if key not in NOUL_DEFAULTS:
+            policy.ignored(f"{where}.{key}", "noul criteria use only the keys 'true' and 'false'")
     merged = {**NOUL_DEFAULTS, **criteria}  # explicit null overrides the default (reference)
     return (Option("true", merged["true"]), Option("false", merged["false"]))
 
 
-def _question(qid: str, spec: QuestionSpec) -> Question:
+def _question(qid: str, spec: QuestionSpec, policy: _Policy) -> Question:
     where = f"questions.{qid}"
-    if qid == "":
+    if policy.strict and qid == "":
         raise errors.EmptyQuestionId("question ids must not be empty", field="questions")
+    policy.extras(spec, f"{where}.", "a question reads only type, instructions and criteria")
     instruction = spec.instructions
     if instruction is None or instruction == "":
         instruction = qid
     crit_where = f"{where}.criteria"
     if spec.type == "noul":
-        options = _noul_options(spec.criteria, crit_where)
+        options = _noul_options(spec.criteria, crit_where, policy)
         return Question(qid, "noul", instruction, options, ("true", "false"))
     if spec.criteria is None:
         raise errors.MissingField(f"{qid}: criteria must not be empty", field=crit_where)
+    if not spec.criteria:
+        raise errors.InvalidCriteria(f"{qid}: criteria must not be empty", field=crit_where)
     if spec.type == "choice":
-        options, order = _choice_options(qid, spec.criteria, crit_where)
+        options, order = _choice_options(qid, spec.criteria, crit_where, policy)
         return Question(qid, "choice", instruction, options, order)
-    options, legend = _score_options(qid, spec.criteria, crit_where)
+    options, legend = _score_options(qid, spec.criteria, crit_where, policy)
     return Question(qid, "score", instruction, options, tuple(o.id for o in options), legend)
 
 
-def parse_request(body: Any, *, truncate_state: bool = False) -> Request:
+def parse_request(body: Any, *, truncate_state: bool = False, strict: bool = False) -> Request:
     """Validate a decoded JSON body; raise an ``InvalidRequest`` subclass naming the field."""
     if not isinstance(body, dict):
         raise errors.InvalidValue("the request must be a JSON object", field=None)
+    check_json_values(body)
     try:
         wire = SystemOneRequest.model_validate(body)
     except pydantic.ValidationError as exc:
         raise _from_pydantic(exc, body) from None
+    policy = _Policy(strict or bool(wire.options and wire.options.strict))
+    policy.extras(wire, "", "not a SystemOne request key")
+    if wire.options is not None:
+        policy.extras(wire.options, "options.", "options are truncate_state and strict")
     for media in ("images", "videos"):
         if getattr(wire, media):
             raise errors.Unsupported(
                 f"{media} are not supported: GGUF language towers carry no vision tower",
                 field=media)
     if wire.media_kwargs:
-        raise errors.Unsupported("media_kwargs are not supported without media",
-                                 field="media_kwargs")
+        policy.ignored("media_kwargs", "there is no media to process")
     if wire.calibration not in (None, "none"):
-        raise errors.Unsupported(f"no calibration {wire.calibration!r} is available; "
-                                 "answers are the model's raw probabilities", field="calibration")
+        if policy.strict:
+            raise errors.Unsupported(f"no calibration {_short(wire.calibration)} is available; "
+                                     "answers are the model's raw probabilities",
+                                     field="calibration")
+        policy.ignored("calibration", f"no calibration {_short(wire.calibration)} is available; the "
+                       "answers are the model's raw probabilities")
     if not wire.questions:
         raise errors.NoQuestions("at least one question is required", field="questions")
-    if len(wire.questions) > MAX_QUESTIONS:
+    if policy.strict and len(wire.questions) > MAX_QUESTIONS:
         raise errors.TooManyQuestions(f"at most {MAX_QUESTIONS} questions per request "
                                       f"(got {len(wire.questions)})", field="questions")
-    questions = tuple(_question(qid, spec) for qid, spec in wire.questions.items())
+    questions = tuple(_question(qid, spec, policy) for qid, spec in wire.questions.items())
     wants_truncation = truncate_state or bool(wire.options and wire.options.truncate_state)
-    return Request(wire.model, wire.state, questions, wants_truncation)
+    return Request(wire.model, wire.state, questions, wants_truncation, tuple(policy.warnings))

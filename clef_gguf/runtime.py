@@ -84,8 +84,9 @@ class Clef:
 
     def __init__(self, files: model_files.ModelFiles, tower: Tower, lexical: LexicalRows,
                  head: torch.nn.Module, encoder: Encoder, provenance: answer.Provenance,
-                 info: dict[str, Any]):
+                 info: dict[str, Any], *, strict: bool = False):
         self.files, self.tower, self.lexical, self.head = files, tower, lexical, head
+        self.strict = strict  # refuse what the reference ignores, and apply Jev's count limits
         self.encoder, self.provenance, self.info = encoder, provenance, info
         self.head_dtype = next(head.parameters()).dtype
 
@@ -94,7 +95,7 @@ class Clef:
              head: str | Path | None = None, head_config: str | Path | None = None,
              tokenizer: str | Path | None = None, threads: int | None = None,
              max_length: int = DEFAULT_MAX_LENGTH, precision: str = "fp32",
-             allow_download: bool = False) -> Clef:
+             allow_download: bool = False, strict: bool = False) -> Clef:
         if precision not in PRECISIONS:
             raise errors.InvalidValue(f"precision must be one of {', '.join(PRECISIONS)}",
                                       field="precision")
@@ -133,11 +134,13 @@ class Clef:
                 "lm_head_avoided": tower.uses_nextn}
         log.info("loaded %s (%s, n_embd %d), head scalars %s", found.tower.name, quant,
                  tower.n_embd, head_scalars(joint))
-        return cls(found, tower, lexical, joint, encoder, provenance, info)
+        return cls(found, tower, lexical, joint, encoder, provenance, info, strict=strict)
 
-    def prepare(self, request: Any, *, truncate_state: bool = False) -> Prepared:
+    def prepare(self, request: Any, *, truncate_state: bool = False,
+                strict: bool | None = None) -> Prepared:
         t0 = time.perf_counter()
-        parsed = parse_request(request, truncate_state=truncate_state)
+        parsed = parse_request(request, truncate_state=truncate_state,
+                               strict=self.strict if strict is None else strict)
         encoded = self.encoder.encode(parsed)
         return Prepared(parsed, encoded, (time.perf_counter() - t0) * 1e3)
 
@@ -168,8 +171,9 @@ class Clef:
                    "total": round(prepared.encode_ms + (t4 - t0) * 1e3, 3), "tokens": enc.n_tokens}
         return response, timings
 
-    def decide(self, request: Any, *, truncate_state: bool = False) -> dict:
-        return self.run(self.prepare(request, truncate_state=truncate_state))[0]
+    def decide(self, request: Any, *, truncate_state: bool = False,
+               strict: bool | None = None) -> dict:
+        return self.run(self.prepare(request, truncate_state=truncate_state, strict=strict))[0]
 
     def probabilities(self, request: Any, *, truncate_state: bool = False) -> list[np.ndarray]:
         """Unrounded fp32 probabilities per question, in prompt option order (parity checks)."""

@@ -19,7 +19,7 @@ from pathlib import Path
 import llama_cpp as ll
 import numpy as np
 
-from clef_gguf.errors import CorruptModel, InferenceError, ModelNotFound
+from clef_gguf.errors import CorruptModel, InferenceError, InvalidValue, ModelNotFound
 
 log = logging.getLogger("clef_gguf.llama")
 
@@ -156,6 +156,9 @@ class Tower:
     def load(cls, path: str | Path, *, n_ctx: int = 16384, threads: int | None = None,
              n_batch: int = 512) -> Tower:
         path = Path(path)
+        if threads is not None and (not isinstance(threads, int) or threads < 1):
+            raise InvalidValue(f"threads must be a whole number >= 1 (got {threads!r})",
+                               field="threads")
         if not path.is_file():
             raise ModelNotFound(f"GGUF file not found: {path}", field="tower")
         model = _Model(path)

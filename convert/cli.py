@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from clef_gguf.argtypes import positive_int
 from clef_gguf import files
 from clef_gguf.convert import quantize
 from clef_gguf.convert.release import convert_release, tower_name
@@ -42,7 +43,7 @@ def add_convert_arguments(p: argparse.ArgumentParser) -> None:
                    help="force output.weight (the lexical rows) to this tensor type, e.g. Q8_0")
     g.add_argument("--token-embedding-type", metavar="GGML_TYPE",
                    help="force token_embd.weight to this tensor type")
-    g.add_argument("--threads", type=int, help="quantizer threads (default: all available)")
+    g.add_argument("--threads", type=positive_int, help="quantizer threads (default: all available)")
 
 
 def _summary(out: Path, outtype: str, seconds: float, **extra) -> str:

@@ -23,6 +23,7 @@ import subprocess
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from clef_gguf.argtypes import positive_int
 from clef_gguf.errors import ModelLoadError
 from clef_gguf.models.catalog import Catalog, Family, load_catalog
 
@@ -329,7 +330,7 @@ def _llama_gpu_offload() -> bool | None:
 
 def add_arguments(parser) -> None:
     parser.add_argument("--family", default="clef-flash", help="model family (default: clef-flash)")
-    parser.add_argument("--ctx", type=int, default=DEFAULT_CONTEXT,
+    parser.add_argument("--ctx", type=positive_int, default=DEFAULT_CONTEXT,
                         help=f"context tokens to budget KV for (default: {DEFAULT_CONTEXT})")
     parser.add_argument("--json", action="store_true", help="print the probe and recommendation as JSON")
 

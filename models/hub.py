@@ -18,6 +18,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from clef_gguf.argtypes import positive_int
 from clef_gguf.models.device import DEFAULT_CONTEXT, DeviceProfile, NoQuantFits, probe, recommend
 from clef_gguf.errors import CorruptModel, ModelNotFound
 from clef_gguf.files import ModelFiles
@@ -312,7 +313,7 @@ def _quant_of(src: Source, file_name: str) -> str | None:
 def add_pull_arguments(parser) -> None:
     parser.add_argument("name", help="clef-flash, clef-flash:Q4_K_M, clef:Q4_K_M, clef-flash:auto[@SOURCE]")
     parser.add_argument("--quant", help="quant type or 'auto' (overrides :QUANT in the name)")
-    parser.add_argument("--ctx", type=int, default=DEFAULT_CONTEXT, help="context the auto choice budgets for")
+    parser.add_argument("--ctx", type=positive_int, default=DEFAULT_CONTEXT, help="context the auto choice budgets for")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument("--json", action="store_true", help="print the resulting files as JSON")
 

@@ -42,7 +42,7 @@ def test_decide_from_stdin_with_truncation(tiny_model_dir):
 @pytest.mark.parametrize("body, code, field", [
     ({"state": "x", "questions": {"q": {"type": "maybe"}}}, "invalid_question_type", "questions.q.type"),
     ({"questions": {"q": {"type": "noul"}}}, "missing_field", "state"),
-    ("{not json", "invalid_value", "request"),
+    ("{not json", "invalid_json", None),
 ])
 def test_invalid_request_exits_2_with_error_json(tiny_model_dir, body, code, field):
     stdin = body if isinstance(body, str) else json.dumps(body)
@@ -51,6 +51,44 @@ def test_invalid_request_exits_2_with_error_json(tiny_model_dir, body, code, fie
     err = json.loads(proc.stdout)["error"]
     assert err["code"] == code and err["field"] == field and err["message"]
     assert "Traceback" not in proc.stderr
+
+
+def test_strict_flag_refuses_what_is_otherwise_a_warning(tiny_model_dir):
+    body = json.dumps({**REQUEST, "id": "rec-1"})
+    lenient = clef_gguf("decide", "-m", tiny_model_dir, stdin=body)
+    assert lenient.returncode == 0, lenient.stderr
+    assert json.loads(lenient.stdout)["warnings"][0]["field"] == "id"
+    strict = clef_gguf("decide", "-m", tiny_model_dir, "--strict", stdin=body)
+    assert strict.returncode == 2
+    assert json.loads(strict.stdout)["error"] == {
+        "code": "unknown_field", "field": "id",
+        "message": "unknown field 'id' (not a SystemOne request key)"}
+
+
+@pytest.mark.parametrize("raw, code", [
+    (b'{"state": "a", "state": "b", "questions": {"q": {"type": "noul"}}}', "invalid_json"),
+    (b'{"state": NaN, "questions": {"q": {"type": "noul"}}}', "invalid_json"),
+    (b'{"state": "\\ud800", "questions": {"q": {"type": "noul"}}}', "invalid_value"),
+    (b"[" * 50_000 + b"]" * 50_000, "invalid_json"),
+    (b'\xff\xfe{"state": 1}', "invalid_json"),
+])
+def test_bad_json_is_a_clear_error_not_a_crash(tiny_model_dir, tmp_path, raw, code):
+    path = tmp_path / "req.json"
+    path.write_bytes(raw)
+    proc = clef_gguf("decide", "-m", tiny_model_dir, "--request", path)
+    assert proc.returncode == 2, proc.stderr
+    assert json.loads(proc.stdout)["error"]["code"] == code
+    assert "Traceback" not in proc.stderr and "internal error" not in proc.stderr
+
+
+@pytest.mark.parametrize("args", [["decide", "--threads", "-3"], ["decide", "--threads", "0"],
+                                  ["decide", "--max-length", "0"], ["pick", "--ctx", "0"],
+                                  ["serve", "--threads", "x"]])
+def test_bad_numbers_are_refused_naming_the_flag(tiny_model_dir, args):
+    proc = clef_gguf(*args, "-m", tiny_model_dir, stdin=json.dumps(REQUEST)) if args[0] != "pick" \
+        else clef_gguf(*args)
+    assert proc.returncode == 2
+    assert args[1] in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_too_long_request_is_refused(tiny_model_dir):

@@ -85,8 +85,8 @@ def test_no_import_cycles():
     assert _cycle() is None, " -> ".join(_cycle() or [])
 
 
-def test_models_use_only_errors_and_files_of_the_runtime():
-    allowed = {"clef_gguf.errors", "clef_gguf.files"}
+def test_models_use_only_errors_files_and_argtypes_of_the_runtime():
+    allowed = {"clef_gguf.errors", "clef_gguf.files", "clef_gguf.argtypes"}
     for name, deps in GRAPH.items():
         if name.startswith("clef_gguf.models"):
             bad = {d for d in deps if not d.startswith("clef_gguf.models") and d not in allowed}

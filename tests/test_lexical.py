@@ -67,14 +67,38 @@ def test_only_requested_rows_are_materialised(tmp_path, table):
     path = write_gguf(tmp_path / "m.gguf", {"output.weight": (table, T.Q8_0)})
     rows = lexical.LexicalRows(lexical.open_gguf(path))
     rows.rows(np.array([1, 2, 2]))
-    assert sorted(rows._cache) == [1, 2]
+    assert rows.cached.tolist() == [1, 2]
 
 
-def test_out_of_range_token_is_an_error(tmp_path, table):
+def test_the_store_is_bounded_and_evicts_the_least_recently_used(tmp_path, table):
+    path = write_gguf(tmp_path / "m.gguf", {"output.weight": (table, T.Q8_0)})
+    reader = lexical.open_gguf(path)
+    full = lexical.LexicalRows(reader).rows(np.arange(VOCAB))  # capacity: the whole table
+    small = lexical.LexicalRows(reader, max_bytes=3 * 4 * table.shape[1])
+    assert small.capacity == 3
+    assert np.array_equal(small.rows(np.array([4, 1, 4])), full[[4, 1, 4]])
+    assert np.array_equal(small.rows(np.array([7])), full[[7]])
+    assert small.cached.tolist() == [1, 4, 7]
+    small.rows(np.array([1]))  # 1 is now the most recent, 4 the least
+    assert np.array_equal(small.rows(np.array([9, 7])), full[[9, 7]])
+    assert small.cached.tolist() == [1, 7, 9]
+    # more distinct rows than the store holds: answered exactly, the store left as it was
+    many = np.array([0, 2, 3, 5, 6, 2, 0])
+    assert np.array_equal(small.rows(many), full[many])
+    assert small.cached.tolist() == [1, 7, 9]
+    rng = np.random.default_rng(0)
+    for _ in range(50):  # random traffic never returns a wrong row
+        ids = rng.integers(0, VOCAB, size=rng.integers(1, 4))
+        assert np.array_equal(small.rows(ids), full[ids])
+    assert len(small.cached) <= 3
+
+
+@pytest.mark.parametrize("ids, named", [([VOCAB], VOCAB), ([3, -2, VOCAB + 5], -2)])
+def test_out_of_range_token_is_an_error(tmp_path, table, ids, named):
     path = write_gguf(tmp_path / "m.gguf", {"output.weight": (table, T.F32)})
     rows = lexical.LexicalRows(lexical.open_gguf(path))
-    with pytest.raises(errors.CorruptModel):
-        rows.rows(np.array([VOCAB]))
+    with pytest.raises(errors.CorruptModel, match=f"token id {named} is outside"):
+        rows.rows(np.array(ids))
 
 
 def test_missing_lm_head_tensor(tmp_path, table):

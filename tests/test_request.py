@@ -3,7 +3,7 @@
 import pytest
 
 from clef_gguf import errors
-from clef_gguf.request import NOUL_DEFAULTS, parse_request
+from clef_gguf.request import MAX_DEPTH, NOUL_DEFAULTS, parse_json, parse_request
 
 
 def body(**questions):
@@ -73,45 +73,33 @@ def test_truncate_state_option():
     ({"state": "s", "questions": {"q": {"type": "multi"}}}, errors.InvalidQuestionType,
      "questions.q.type"),
     ({"state": "s", "questions": {"q": {}}}, errors.MissingField, "questions.q.type"),
-    ({"state": "s", "questions": {"q": {"type": "noul", "instruction": "typo"}}},
-     errors.UnknownField, "questions.q.instruction"),
-    ({"state": "s", "extra": 1, "questions": {"q": {"type": "noul"}}}, errors.UnknownField, "extra"),
-    ({"state": "s", "questions": {"": {"type": "noul"}}}, errors.EmptyQuestionId, "questions"),
-    ({"state": "s", "questions": {"q": {"type": "noul", "instructions": 5}}}, errors.InvalidValue,
-     "questions.q.instructions"),
     ({"state": "s", "questions": {"c": {"type": "choice"}}}, errors.MissingField,
      "questions.c.criteria"),
-    ({"state": "s", "questions": {"c": {"type": "choice", "criteria": ["a", "b"]}}},
+    ({"state": "s", "questions": {"c": {"type": "choice", "criteria": {}}}},
      errors.InvalidCriteria, "questions.c.criteria"),
-    ({"state": "s", "questions": {"c": {"type": "choice", "criteria": {"a": "x"}}}},
-     errors.TooFewOptions, "questions.c.criteria"),
-    ({"state": "s", "questions": {"c": {"type": "choice",
-                                        "criteria": {str(i): None for i in range(256)}}}},
-     errors.TooManyOptions, "questions.c.criteria"),
-    ({"state": "s", "questions": {"c": {"type": "choice", "criteria": {"": 1, "b": 2}}}},
+    ({"state": "s", "questions": {"s": {"type": "score", "criteria": []}}},
+     errors.InvalidCriteria, "questions.s.criteria"),
+    ({"state": "s", "questions": {"c": {"type": "choice", "criteria": ["a", "b"]}}},
      errors.InvalidCriteria, "questions.c.criteria"),
     ({"state": "s", "questions": {"s": {"type": "score", "criteria": {"a": 1, "b": 2}}}},
      errors.InvalidCriteria, "questions.s.criteria"),
-    ({"state": "s", "questions": {"s": {"type": "score", "criteria": ["x"]}}},
-     errors.TooFewOptions, "questions.s.criteria"),
-    ({"state": "s", "questions": {"s": {"type": "score", "criteria": list("abcdefghijk")}}},
-     errors.TooManyOptions, "questions.s.criteria"),
     ({"state": "s", "questions": {"n": {"type": "noul", "criteria": ["yes", "no"]}}},
      errors.InvalidCriteria, "questions.n.criteria"),
-    ({"state": "s", "questions": {"n": {"type": "noul", "criteria": {"maybe": "?"}}}},
-     errors.InvalidCriteria, "questions.n.criteria.maybe"),
-    ({"state": "s", "questions": {f"q{i}": {"type": "noul"} for i in range(65)}},
-     errors.TooManyQuestions, "questions"),
     ({"state": "s", "images": [{"data": "AAAA"}], "questions": {"q": {"type": "noul"}}},
      errors.Unsupported, "images"),
     ({"state": "s", "videos": [[0]], "questions": {"q": {"type": "noul"}}},
      errors.Unsupported, "videos"),
-    ({"state": "s", "calibration": "v2", "questions": {"q": {"type": "noul"}}},
-     errors.Unsupported, "calibration"),
-    ({"state": "s", "options": {"near_tie_margin": 0.1}, "questions": {"q": {"type": "noul"}}},
-     errors.UnknownField, "options.near_tie_margin"),
+    ({"state": "\ud800x", "questions": {"q": {"type": "noul"}}}, errors.InvalidValue, "state"),
+    ({"state": {"a": ["ok", "\udfff"]}, "questions": {"q": {"type": "noul"}}},
+     errors.InvalidValue, "state.a.1"),
+    ({"state": "s", "questions": {"q\ud800": {"type": "noul"}}}, errors.InvalidValue,
+     "questions"),
+    ({"state": [[[[]]]], "questions": {"q": {"type": "noul"}}}, None, None),  # depth is fine
 ])
 def test_invalid_requests(request_body, cls, field):
+    if cls is None:
+        parse_request(request_body)
+        return
     with pytest.raises(cls) as info:
         parse_request(request_body)
     err = info.value
@@ -122,18 +110,128 @@ def test_invalid_requests(request_body, cls, field):
     assert payload["code"] == cls.code and payload["message"] and payload["field"] == field
 
 
+def test_nesting_past_the_limit_is_refused_with_its_path():
+    deep = "x"
+    for _ in range(MAX_DEPTH + 1):
+        deep = [deep]
+    with pytest.raises(errors.InvalidValue) as info:
+        parse_request({"state": {"doc": deep}, "questions": {"q": {"type": "noul"}}})
+    assert info.value.field.startswith("state.doc.0.0")
+    nested = "x"
+    for _ in range(MAX_DEPTH - 2):
+        nested = [nested]
+    parse_request({"state": nested, "questions": {"q": {"type": "noul"}}})
+
+
+# What the reference answers (spec §8.3: it checks nothing more), with what we report ignored.
+@pytest.mark.parametrize("request_body, ignored", [
+    ({"state": "s", "id": "rec-7", "questions": {"q": {"type": "noul"}}}, ["id"]),
+    ({"state": "s", "images": [], "videos": [], "questions": {"q": {"type": "noul"}}}, []),
+    ({"state": "s", "questions": {"q": {"type": "noul", "instruction": "typo"}}},
+     ["questions.q.instruction"]),
+    ({"state": "s", "questions": {"n": {"type": "noul", "criteria": {"maybe": "?"}}}},
+     ["questions.n.criteria.maybe"]),
+    ({"state": "s", "options": {"near_tie_margin": 0.1}, "questions": {"q": {"type": "noul"}}},
+     ["options.near_tie_margin"]),
+    ({"state": "s", "calibration": "v2", "questions": {"q": {"type": "noul"}}}, ["calibration"]),
+    ({"state": "s", "media_kwargs": {"max_pixels": 9}, "questions": {"q": {"type": "noul"}}},
+     ["media_kwargs"]),
+    ({"state": "s", "questions": {"q": {"type": "noul", "instructions": 5}}}, []),
+    ({"state": "s", "questions": {"q": {"type": "noul", "instructions": True}}}, []),
+    ({"state": "s", "questions": {"": {"type": "noul", "instructions": "named"}}}, []),
+    ({"state": "s", "questions": {"c": {"type": "choice", "criteria": {"a": "x"}}}}, []),
+    ({"state": "s", "questions": {"c": {"type": "choice", "criteria": {"": 1, "b": 2}}}}, []),
+    ({"state": "s", "questions": {"s": {"type": "score", "criteria": ["x"]}}}, []),
+    ({"state": "s", "questions": {"s": {"type": "score", "criteria": list("abcdefghijk")}}}, []),
+    ({"state": "s", "questions": {"c": {"type": "choice",
+                                        "criteria": {str(i): None for i in range(256)}}}}, []),
+    ({"state": "s", "questions": {f"q{i}": {"type": "noul"} for i in range(65)}}, []),
+])
+def test_reference_answers_these_so_do_we(request_body, ignored):
+    r = parse_request(request_body)
+    assert [w["field"] for w in r.warnings] == ignored
+    assert all(w["code"] == "ignored_field" and w["field"] in w["message"] for w in r.warnings)
+
+
+@pytest.mark.parametrize("instructions, rendered", [(5, "5"), (True, "true"), (0, "0"),
+                                                     (1.5, "1.5"), (False, "false")])
+def test_any_json_instructions_render_like_the_reference(instructions, rendered):
+    from clef_gguf.encode import render
+
+    q = parse_request(body(q={"type": "noul", "instructions": instructions})).questions[0]
+    assert q.instruction == instructions and render(q.instruction) == rendered  # no id fallback
+
+
+@pytest.mark.parametrize("request_body, cls, field", [
+    ({"state": "s", "questions": {"q": {"type": "noul", "instruction": "typo"}}},
+     errors.UnknownField, "questions.q.instruction"),
+    ({"state": "s", "extra": 1, "questions": {"q": {"type": "noul"}}}, errors.UnknownField, "extra"),
+    ({"state": "s", "questions": {"": {"type": "noul"}}}, errors.EmptyQuestionId, "questions"),
+    ({"state": "s", "questions": {"c": {"type": "choice", "criteria": {"a": "x"}}}},
+     errors.TooFewOptions, "questions.c.criteria"),
+    ({"state": "s", "questions": {"c": {"type": "choice",
+                                        "criteria": {str(i): None for i in range(256)}}}},
+     errors.TooManyOptions, "questions.c.criteria"),
+    ({"state": "s", "questions": {"c": {"type": "choice", "criteria": {"": 1, "b": 2}}}},
+     errors.InvalidCriteria, "questions.c.criteria"),
+    ({"state": "s", "questions": {"s": {"type": "score", "criteria": ["x"]}}},
+     errors.TooFewOptions, "questions.s.criteria"),
+    ({"state": "s", "questions": {"s": {"type": "score", "criteria": list("abcdefghijk")}}},
+     errors.TooManyOptions, "questions.s.criteria"),
+    ({"state": "s", "questions": {"n": {"type": "noul", "criteria": {"maybe": "?"}}}},
+     errors.UnknownField, "questions.n.criteria.maybe"),
+    ({"state": "s", "questions": {f"q{i}": {"type": "noul"} for i in range(65)}},
+     errors.TooManyQuestions, "questions"),
+    ({"state": "s", "calibration": "v2", "questions": {"q": {"type": "noul"}}},
+     errors.Unsupported, "calibration"),
+    ({"state": "s", "options": {"near_tie_margin": 0.1}, "questions": {"q": {"type": "noul"}}},
+     errors.UnknownField, "options.near_tie_margin"),
+])
+def test_strict_refuses_what_the_reference_ignores(request_body, cls, field):
+    for strict_body, kwargs in (({**request_body, "options": {**request_body.get("options", {}),
+                                                              "strict": True}}, {}),
+                                (request_body, {"strict": True})):
+        with pytest.raises(cls) as info:
+            parse_request(strict_body, **kwargs)
+        assert type(info.value) is cls and info.value.field == field
+
+
 def test_limits_accept_the_edges():
-    parse_request({"state": "s", "questions": {f"q{i}": {"type": "noul"} for i in range(64)}})
-    parse_request(body(c={"type": "choice", "criteria": {str(i): None for i in range(255)}}))
-    parse_request(body(s={"type": "score", "criteria": list("abcdefghij")}))
-    parse_request(body(c={"type": "choice", "criteria": {"a": 1, "b": 2}}))
+    parse_request({"state": "s", "questions": {f"q{i}": {"type": "noul"} for i in range(64)}},
+                  strict=True)
+    parse_request(body(c={"type": "choice", "criteria": {str(i): None for i in range(255)}}),
+                  strict=True)
+    parse_request(body(s={"type": "score", "criteria": list("abcdefghij")}), strict=True)
+    parse_request(body(c={"type": "choice", "criteria": {"a": 1, "b": 2}}), strict=True)
+
+
+@pytest.mark.parametrize("raw, field", [
+    (b'{"state": 1, "state": 2, "questions": {}}', "state"),
+    (b'{"state": 1, "questions": {"q": {"type": "noul", "type": "score"}}}', "type"),
+    (b'{"state": NaN, "questions": {}}', None),
+    (b'{"state": -Infinity, "questions": {}}', None),
+    (b"\xff{}", None),
+    (b"   ", None),
+    (b"[" * 100_000 + b"]" * 100_000, None),
+    (b"{bad", None),
+])
+def test_the_json_reader_refuses_what_json_would_take_silently(raw, field):
+    with pytest.raises(errors.InvalidJson) as info:
+        parse_json(raw)
+    assert info.value.field == field and info.value.status == 422 and info.value.message
+
+
+def test_the_json_reader_keeps_numbers_and_order():
+    value = parse_json('{"b": 1, "a": 1.0, "c": [1e16, -0.0]}')
+    assert list(value) == ["b", "a", "c"] and type(value["b"]) is int and type(value["a"]) is float
 
 
 def test_error_codes_are_stable_and_distinct():
     classes = [errors.MissingField, errors.UnknownField, errors.InvalidValue,
                errors.InvalidQuestionType, errors.NoQuestions, errors.TooManyQuestions,
                errors.EmptyQuestionId, errors.InvalidCriteria, errors.TooFewOptions,
-               errors.TooManyOptions, errors.Unsupported, errors.ContextTooLarge]
+               errors.TooManyOptions, errors.Unsupported, errors.ContextTooLarge,
+               errors.InvalidJson]
     codes = [c.code for c in classes]
     assert len(set(codes)) == len(codes)
     assert errors.ContextTooLarge.status == 413

@@ -65,9 +65,26 @@ def test_probabilities_match_rounded_answers(clef):
     assert [len(p) for p in probs] == [2, 3, 3]
 
 
+def test_requests_the_reference_answers_are_answered_with_warnings(clef):
+    body = {"state": "Refund not received", "id": "rec-9", "images": [], "videos": [],
+            "questions": {"q": {"type": "noul", "instructions": 7, "criteria": {"maybe": "?"}},
+                          "one": {"type": "choice", "criteria": {"only": "the one option"}}}}
+    out = clef.decide(body)
+    assert [w["field"] for w in out["warnings"]] == ["id", "questions.q.criteria.maybe"]
+    assert out["answers"]["one"] == {"type": "choice", "choice": "only", "confidence": 1.0,
+                                     "probabilities": {"only": 1.0}}
+    # the ignored keys change nothing: the same answers as without them
+    clean = {"state": body["state"], "questions": {"q": {"type": "noul", "instructions": 7},
+                                                   "one": body["questions"]["one"]}}
+    assert clef.decide(clean) == {k: v for k, v in out.items() if k != "warnings"}
+    with pytest.raises(errors.UnknownField):
+        clef.decide(body, strict=True)
+
+
 def test_invalid_request_is_refused_before_compute(clef):
     with pytest.raises(errors.TooFewOptions):
-        clef.prepare({"state": "x", "questions": {"c": {"type": "choice", "criteria": {"a": 1}}}})
+        clef.prepare({"state": "x", "questions": {"c": {"type": "choice", "criteria": {"a": 1}}}},
+                     strict=True)
     with pytest.raises(errors.Unsupported):
         clef.decide({"state": "x", "images": ["a"], "questions": {"q": {"type": "noul"}}})
 

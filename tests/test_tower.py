@@ -85,3 +85,10 @@ def test_corrupt_gguf_is_a_clean_error_in_a_fresh_process(gguf_path, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     err = json.loads(proc.stdout.strip().splitlines()[-1])["error"]
     assert err["code"] == "corrupt_model" and "could not load" in err["message"]
+
+
+@pytest.mark.parametrize("threads", [0, -3, 1.5])
+def test_threads_must_be_positive(tiny_model_dir, threads):
+    with pytest.raises(errors.InvalidValue) as info:
+        tower_mod.Tower.load(tiny_model_dir / "tower-f32.gguf", threads=threads)
+    assert info.value.field == "threads"

@@ -11,6 +11,8 @@ import argparse
 import json
 import statistics
 
+from clef_gguf.argtypes import positive_int
+
 SENTENCE = ("Customer 4471 reports that the March invoice was charged twice and asks for a refund "
             "of the duplicate payment before the end of the week. ")
 QUESTIONS = {
@@ -55,8 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from clef_gguf.cli_options import add_model_arguments
 
     add_model_arguments(p)
-    p.add_argument("--tokens", type=int, default=400, help="prompt size to aim for (default 400)")
-    p.add_argument("--repeat", type=int, default=5, help="measured runs after one warm-up (default 5)")
+    p.add_argument("--tokens", type=positive_int, default=400, help="prompt size to aim for (default 400)")
+    p.add_argument("--repeat", type=positive_int, default=5, help="measured runs after one warm-up (default 5)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import httpx
 
+from clef_gguf.argtypes import positive_int
 from clef_gguf.errors import ClefError, InvalidValue
 
 DISTINCT = 16
@@ -123,10 +124,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="model directory or name: start a server for the run")
     src.add_argument("--url", help="a running server")
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    p.add_argument("--requests", type=int, default=96, help="requests per level (default 96)")
-    p.add_argument("--threads", type=int, default=None, help="tower threads of the server")
-    p.add_argument("--max-length", type=int, default=2048)
+    p.add_argument("--concurrency", type=positive_int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--requests", type=positive_int, default=96, help="requests per level (default 96)")
+    p.add_argument("--threads", type=positive_int, default=None, help="tower threads of the server")
+    p.add_argument("--max-length", type=positive_int, default=2048)
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 
 

@@ -22,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from clef_gguf.argtypes import positive_int
 from clef_gguf import errors
 from clef_gguf.tools import parity
 
@@ -125,7 +126,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep", action="store_true", help="keep every converted model in --workdir")
     p.add_argument("--requests", help="JSON list of requests (default: parity's samples)")
     p.add_argument("--reference-dtype", choices=["f32", "bf16"], default="f32")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=positive_int, default=None)
     p.add_argument("--write", metavar="FILE.md", help="write the Markdown here instead of stdout")
     p.add_argument("--json", metavar="FILE", help="also write the raw rows as JSON")
 
