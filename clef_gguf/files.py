@@ -35,6 +35,28 @@ class ModelFiles:
     revision: str | None = None
     # sha256 by file name, where a manifest or a catalog already knows it.
     sha256: dict[str, str] = field(default_factory=dict)
+    # resolved path -> (sha256, size, mtime_ns bound): a known hash is trusted only for the very
+    # file it was computed on, unchanged since (same size, not modified after the bound).
+    hashed: dict[str, tuple[str, int, int]] = field(default_factory=dict)
+
+    def remember(self, path: Path, sha: str, size: int, as_of_ns: int) -> None:
+        self.sha256[path.name] = sha
+        self.hashed[str(Path(path).resolve())] = (sha, size, as_of_ns)
+
+    def known_sha256(self, path: Path) -> str | None:
+        """The recorded hash of ``path`` if it provably still describes the file, else None."""
+        entry = self.hashed.get(str(Path(path).resolve()))
+        try:
+            st = Path(path).stat()
+        except OSError:
+            return None
+        if entry and entry[1] == st.st_size and st.st_mtime_ns <= entry[2]:
+            return entry[0]
+        return None
+
+    def sha256_of(self, path: Path) -> str:
+        """The hash of the file that will actually run: recorded and still valid, or computed."""
+        return self.known_sha256(path) or sha256_file(path)
 
     def paths(self) -> dict[str, Path]:
         return {role: getattr(self, role) for role in ROLES}
@@ -90,9 +112,13 @@ def from_directory(directory: Path) -> ModelFiles:
         manifest = read_manifest(directory)
         files = ModelFiles(**{role: directory / manifest[role] for role in ROLES},
                            name=str(manifest.get("name", directory.name)),
-                           revision=manifest.get("revision"),
-                           sha256={k: v["sha256"] for k, v in manifest.get("files", {}).items()
-                                   if isinstance(v, dict) and "sha256" in v})
+                           revision=manifest.get("revision"))
+        # The manifest is written after its files were hashed: a file changed later is newer.
+        written_ns = (directory / MANIFEST).stat().st_mtime_ns
+        for name, entry in manifest.get("files", {}).items():
+            if isinstance(entry, dict) and isinstance(entry.get("sha256"), str) \
+                    and isinstance(entry.get("size"), int):
+                files.remember(directory / name, entry["sha256"], entry["size"], written_ns)
     else:
         ggufs = sorted(directory.glob("*.gguf"))
         if len(ggufs) != 1:

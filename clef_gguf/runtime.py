@@ -123,11 +123,11 @@ class Clef:
             tower.close()
             raise errors.CorruptModel(f"n_embd {tower.n_embd} != lm_head width "
                                       f"{lexical.hidden_size}", field="tower")
-        model_hash = found.sha256.get(found.tower.name) or model_files.sha256_file(found.tower)
+        model_hash = found.sha256_of(found.tower)  # the file that runs, not the one a manifest named
         quant = file_type_name(reader)
         provenance = answer.Provenance(found.name, model_hash, BACKEND, quant, TEMPLATE_SHA256)
         info = {"name": found.name, "quant": quant, "revision": found.revision,
-                "files": {p.name: found.sha256.get(p.name) for p in found.paths().values()}
+                "files": {p.name: found.known_sha256(p) for p in found.paths().values()}
                 | {found.tower.name: model_hash},
                 "backend": BACKEND, "precision": quant, "head_dtype": precision,
                 "max_length": max_length, "n_embd": tower.n_embd, "lexical_rows": lexical.type.name,

@@ -72,7 +72,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -82,6 +84,7 @@ import torch
 from safetensors.torch import save_file
 
 from clef_gguf import files
+from clef_gguf.convert.gguf_tokenizer import tokenizer_from_gguf
 from clef_gguf.convert.hf_to_gguf import stream_gguf
 from clef_gguf.errors import ClefError, ConversionError, CorruptModel, ModelNotFound
 from clef_gguf.lexical import field_value, file_type_name, open_gguf
@@ -364,9 +367,11 @@ def split_with_summary(src, out, *, tokenizer=None, name: str | None = None,
                        head_dtype: str = "f32") -> tuple[Path, dict]:
     """``split_native`` plus a summary of what was written (for the CLI).
 
-    ``tokenizer``: a ``tokenizer.json`` to copy (the runtime tokenizes with it, not the GGUF vocab);
-    with one (or one already in ``out``) the manifest is written and ``Clef.load(out)`` works.
+    ``tokenizer``: a ``tokenizer.json`` to copy; without one it is rebuilt from the GGUF's own
+    vocabulary (``gguf_tokenizer``), and a vocabulary that cannot be rebuilt exactly is refused.
     ``head_dtype``: "f32" keeps dequantized head values exactly; "bf16" is the release's dtype.
+    Everything is written into a temporary directory beside ``out`` and moved there complete: a
+    failed split leaves no ``out`` behind, and an existing ``out`` is touched only at the end.
     """
     src, out = Path(src), Path(out)
     dtypes = {"f32": torch.float32, "bf16": torch.bfloat16}
@@ -375,33 +380,65 @@ def split_with_summary(src, out, *, tokenizer=None, name: str | None = None,
     tokenizer = Path(tokenizer) if tokenizer is not None else None
     if tokenizer is not None and not tokenizer.is_file():
         raise ModelNotFound(f"tokenizer not found: {tokenizer}", field="tokenizer")
+    if out.exists() and not out.is_dir():
+        raise ConversionError(f"{out} exists and is not a directory")
     reader = _open(src)
     config, state, used = extract_head(reader)  # every check runs before anything is written
-    out.mkdir(parents=True, exist_ok=True)
+    rebuilt = tokenizer_from_gguf(reader) if tokenizer is None else None
     label = file_type_name(reader)
     tower = f"tower-{label}.gguf"
-    n_tensors, dropped = write_tower(reader, out / tower, used)
-    save_file({k: v.to(dtypes[head_dtype]).contiguous() for k, v in state.items()},
-              str(out / files.HEAD_WEIGHTS), metadata={"format": "pt"})
-    (out / files.HEAD_CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    if tokenizer is not None and tokenizer.resolve() != (out / files.TOKENIZER).resolve():
-        shutil.copyfile(tokenizer, out / files.TOKENIZER)
     name = name or field_value(reader, "general.name") or src.stem
-    if (out / files.TOKENIZER).is_file():
+    stage = _stage_dir(out.absolute())
+    try:
+        n_tensors, dropped = write_tower(reader, stage / tower, used)
+        save_file({k: v.to(dtypes[head_dtype]).contiguous() for k, v in state.items()},
+                  str(stage / files.HEAD_WEIGHTS), metadata={"format": "pt"})
+        (stage / files.HEAD_CONFIG).write_text(json.dumps(config, indent=2) + "\n",
+                                               encoding="utf-8")
+        if rebuilt is not None:
+            rebuilt.save(str(stage / files.TOKENIZER))
+        else:
+            shutil.copyfile(tokenizer, stage / files.TOKENIZER)
         scalars = {k: float(state[k]) for k, _, _ in SCALAR_TABLE}
         source = {"path": str(src.resolve()), "format": "native-clef-gguf", "architecture": SRC_ARCH,
                   "tower_tensors": n_tensors, "head_tensors": len(used), "dropped_keys": dropped,
-                  "head_scalars": scalars, "head_dtype": head_dtype}
-        files.write_manifest(out, str(name), label,
+                  "head_scalars": scalars, "head_dtype": head_dtype,
+                  "tokenizer": "gguf" if rebuilt is not None else str(tokenizer.resolve())}
+        files.write_manifest(stage, str(name), label,
                              {"tower": tower, "head_weights": files.HEAD_WEIGHTS,
                               "head_config": files.HEAD_CONFIG, "tokenizer": files.TOKENIZER},
                              extra={"source": source})
-    else:  # a manifest from an earlier run would point at files of another model
-        (out / files.MANIFEST).unlink(missing_ok=True)
+        _commit(stage, out.absolute())
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
     return out, {"model_dir": str(out), "tower": str(out / tower), "outtype": label,
                  "tower_tensors": n_tensors, "head_tensors": len(used), "dropped_keys": dropped,
                  "head_weights": str(out / files.HEAD_WEIGHTS),
+                 "tokenizer": "rebuilt from the GGUF" if rebuilt is not None else "copied",
                  "manifest": (out / files.MANIFEST).is_file()}
+
+
+def _stage_dir(out: Path) -> Path:
+    # In out's nearest existing ancestor: the same filesystem as out, so the final move is a
+    # rename, and out's missing parents are only created once the directory is complete.
+    base = out.parent
+    while not base.is_dir():
+        base = base.parent
+    return Path(tempfile.mkdtemp(prefix=f".{out.name}.split-", dir=base))
+
+
+def _commit(stage: Path, out: Path) -> None:
+    if out.is_dir():
+        # Never swap an existing out away (it may hold other files, or be someone's cwd): move
+        # the new files in, the old manifest gone first, the new one last: none names a mix.
+        (out / files.MANIFEST).unlink(missing_ok=True)
+        for path in sorted(stage.iterdir(), key=lambda p: p.name == files.MANIFEST):
+            os.replace(path, out / path.name)
+        stage.rmdir()
+    else:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(stage, out)  # the complete directory appears in one rename
 
 
 # --------------------------------------------------------------------------- CLI (wired by clef_gguf.cli)
@@ -409,8 +446,8 @@ def split_with_summary(src, out, *, tokenizer=None, name: str | None = None,
 def add_split_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", help="native-clef GGUF (llama.cpp architecture 'clef', head inside)")
     p.add_argument("out", help="output model directory (created if missing)")
-    p.add_argument("--tokenizer", help="tokenizer.json of the release (needed to run the model; "
-                   "with it the manifest is written)")
+    p.add_argument("--tokenizer", help="tokenizer.json to copy (default: rebuilt from the GGUF's "
+                   "own vocabulary; one that cannot be rebuilt exactly is refused)")
     p.add_argument("--name", help="model name in the manifest (default: the GGUF's general.name)")
     p.add_argument("--head-dtype", choices=("f32", "bf16"), default="f32",
                    help="storage type of joint_head.safetensors (default f32: exact)")
@@ -421,7 +458,5 @@ def run_split(args: argparse.Namespace) -> int:
     _, summary = split_with_summary(args.src, args.out, tokenizer=args.tokenizer, name=args.name,
                                     head_dtype=args.head_dtype)
     summary["seconds"] = round(time.perf_counter() - start, 3)
-    if not summary["manifest"]:
-        summary["note"] = "no tokenizer.json: pass --tokenizer to make the directory loadable"
     print(json.dumps(summary, indent=2))
     return 0

@@ -18,6 +18,8 @@ import os
 import re
 from pathlib import Path
 
+from filelock import FileLock, Timeout
+
 from clef_gguf.errors import CorruptModel
 from clef_gguf.files import sha256_file
 
@@ -67,21 +69,26 @@ def _read_stamps() -> dict:
 
 
 def _write_stamp(blob: Path, sha: str | None, checked: bool = False) -> None:
-    """Record (or with ``sha=None`` forget) a blob's hash."""
-    stamps = _read_stamps()
-    if sha is None:
-        if stamps.pop(str(blob), None) is None:
-            return
-    else:
-        st = blob.stat()
-        stamps[str(blob)] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha, "checked": checked}
+    """Record (or with ``sha=None`` forget) a blob's hash.
+
+    Read-modify-write under a file lock: concurrent ``pull`` / ``serve`` processes stamping other
+    blobs must not drop each other's entries. The replace is atomic, so readers need no lock."""
     path = _stamps_path()
-    try:  # atomic replace: a concurrent serve/pull never reads half a file; a read-only HF_HOME just skips
+    try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(stamps, indent=1, sort_keys=True))
-        os.replace(tmp, path)
-    except OSError:
+        with FileLock(str(path) + ".lock", timeout=60):
+            stamps = _read_stamps()
+            if sha is None:
+                if stamps.pop(str(blob), None) is None:
+                    return
+            else:
+                st = blob.stat()
+                stamps[str(blob)] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha,
+                                     "checked": checked}
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(stamps, indent=1, sort_keys=True))
+            os.replace(tmp, path)
+    except (OSError, Timeout):  # a read-only HF_HOME or a stuck lock: verify again next time
         pass
 
 

@@ -186,14 +186,18 @@ def _materialize(ref: ModelRef, family: Family, *, local_only: bool, progress: b
         entry = head.entry(key)
         paths[key] = _download(head, entry.file, local_only=local_only, progress=progress,
                                expected_sha=entry.sha256, expected_size=entry.size)
-        shas[entry.file] = verify(paths[key], entry.sha256, f"{head.repo} / {entry.file}")
+        shas[paths[key]] = verify(paths[key], entry.sha256, f"{head.repo} / {entry.file}")
     tower, tower_sha = _fetch_quant(src, ref.quant, local_only=local_only, progress=progress)
-    shas[tower.name] = tower_sha
+    shas[tower] = tower_sha
     revision = (f"{src.repo}@{_commit_of(tower) or src.revision}; "
                 f"{head.repo}@{_commit_of(paths['head_weights']) or head.revision}")
-    return ModelFiles(tower=tower, head_weights=paths["head_weights"], head_config=paths["head_config"],
-                      tokenizer=paths["tokenizer"], name=f"{family.name}:{ref.quant}@{src.alias}",
-                      revision=revision, sha256=shas)
+    found = ModelFiles(tower=tower, head_weights=paths["head_weights"], head_config=paths["head_config"],
+                       tokenizer=paths["tokenizer"], name=f"{family.name}:{ref.quant}@{src.alias}",
+                       revision=revision)
+    for path, sha in shas.items():  # just verified: valid while the blob stays as it is now
+        st = path.stat()
+        found.remember(path, sha, st.st_size, st.st_mtime_ns)
+    return found
 
 
 def _auto_order(family: Family, alias: str | None, profile: DeviceProfile | None, context_tokens: int,

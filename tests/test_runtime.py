@@ -65,6 +65,38 @@ def test_probabilities_match_rounded_answers(clef):
     assert [len(p) for p in probs] == [2, 3, 3]
 
 
+def test_model_hash_describes_the_file_that_ran(tiny_model_dir, tiny_model_dir_factory, tmp_path,
+                                               monkeypatch):
+    from clef_gguf import files
+
+    manifest_hash = from_directory(tiny_model_dir).sha256["tower-f32.gguf"]
+    real = files.sha256_file
+
+    def no_rehash(path, *a, **k):
+        raise AssertionError(f"an unchanged, recorded file was hashed again: {path}")
+
+    monkeypatch.setattr(files, "sha256_file", no_rehash)
+    with Clef.load(tiny_model_dir) as clef:  # unchanged: the manifest's hash, no re-hash
+        assert clef.provenance.model_hash == manifest_hash
+    monkeypatch.setattr(files, "sha256_file", real)
+    # --gguf pointing at another file of the same name: that file's hash
+    other = tmp_path / "elsewhere" / "tower-f32.gguf"
+    other.parent.mkdir()
+    shutil.copyfile(tiny_model_dir_factory("f16") / "tower-f16.gguf", other)
+    with Clef.load(tiny_model_dir, gguf=other) as clef:
+        assert clef.provenance.model_hash == real(other) != manifest_hash
+    # the directory's tower edited after the manifest was written: re-hashed
+    copy = tmp_path / "edited"
+    shutil.copytree(tiny_model_dir, copy)
+    tower = copy / "tower-f32.gguf"
+    data = bytearray(tower.read_bytes())
+    data[-1] ^= 0x01  # the last byte of the last tensor's data
+    tower.write_bytes(bytes(data))
+    with Clef.load(copy) as clef:
+        assert clef.provenance.model_hash == real(tower) != manifest_hash
+        assert clef.info["files"]["tower-f32.gguf"] == real(tower)
+
+
 def test_requests_the_reference_answers_are_answered_with_warnings(clef):
     body = {"state": "Refund not received", "id": "rec-9", "images": [], "videos": [],
             "questions": {"q": {"type": "noul", "instructions": 7, "criteria": {"maybe": "?"}},

@@ -301,11 +301,12 @@ def test_scalar_unfolding_round_trips(theta):
     assert gate == pytest.approx(theta, abs=1e-5)
 
 
-def test_without_tokenizer_no_manifest_is_written(native_f32, tmp_path):
+def test_without_tokenizer_it_is_rebuilt_and_the_manifest_written(native_f32, tmp_path):
     (tmp_path / files.MANIFEST).write_text("{}")  # a stale manifest must not survive
     split_native(native_f32, tmp_path)
-    assert not (tmp_path / files.MANIFEST).exists()
-    assert {p.name for p in tmp_path.iterdir()} == {"tower-f32.gguf", files.HEAD_WEIGHTS, files.HEAD_CONFIG}
+    assert files.read_manifest(tmp_path)["source"]["tokenizer"] == "gguf"
+    assert {p.name for p in tmp_path.iterdir()} == {
+        "tower-f32.gguf", files.HEAD_WEIGHTS, files.HEAD_CONFIG, files.TOKENIZER, files.MANIFEST}
 
 
 def test_cli_entry_points(native_f32, tiny_model_dir, tmp_path, capsys):
