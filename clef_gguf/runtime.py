@@ -167,7 +167,7 @@ class Clef:
         t4 = time.perf_counter()
         ms = lambda a, b: round((b - a) * 1e3, 3)  # noqa: E731
         timings = {"encode": round(prepared.encode_ms, 3), "tower": ms(t0, t1),
-                   "lexical": ms(t1, t2), "head": ms(t2, t4),
+                   "lexical": ms(t1, t2), "head": ms(t2, t3), "answer": ms(t3, t4),
                    "total": round(prepared.encode_ms + (t4 - t0) * 1e3, 3), "tokens": enc.n_tokens}
         return response, timings
 

@@ -12,13 +12,13 @@ from __future__ import annotations
 import collections
 import ctypes
 import logging
-import os
 import threading
 from pathlib import Path
 
 import llama_cpp as ll
 import numpy as np
 
+from clef_gguf.cpus import available_cpus
 from clef_gguf.errors import CorruptModel, InferenceError, InvalidValue, ModelNotFound
 
 log = logging.getLogger("clef_gguf.llama")
@@ -75,13 +75,6 @@ def _extra_buffer_types() -> bool:
     return b"AMX_INT8 = 1" not in ll.llama_print_system_info()
 
 
-def default_threads() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not on Linux
-        return max(1, os.cpu_count() or 1)
-
-
 class _Model:
     """Owns a ``llama_model*`` loaded with mmap, CPU only."""
 
@@ -97,7 +90,6 @@ class _Model:
             raise CorruptModel(f"llama.cpp could not load {path}: {detail}", field="tower")
         self.n_embd = int(ll.llama_model_n_embd(self.ptr))
         self.n_vocab = int(ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(self.ptr)))
-        self.n_ctx_train = int(ll.llama_model_n_ctx_train(self.ptr))
 
     def close(self) -> None:
         if self.ptr:
@@ -163,7 +155,7 @@ class Tower:
             raise ModelNotFound(f"GGUF file not found: {path}", field="tower")
         model = _Model(path)
         try:
-            ctx = _Context(model, n_ctx, min(n_batch, n_ctx), threads or default_threads())
+            ctx = _Context(model, n_ctx, min(n_batch, n_ctx), threads or available_cpus())
         except BaseException:
             model.close()
             raise
@@ -194,9 +186,9 @@ class Tower:
         n = int(ids.shape[0])
         if n == 0 or n > self.n_ctx:
             raise InferenceError(f"a prompt of {n} tokens does not fit the context of {self.n_ctx}")
-        if ids.min() < 0 or ids.max() >= self.n_vocab:
-            # llama.cpp would reject these, and some vocab calls abort the process on them.
-            raise InferenceError(f"token id {int(ids.max())} is outside the GGUF vocab "
+        bad = ids[(ids < 0) | (ids >= self.n_vocab)]
+        if bad.size:  # llama.cpp would reject these, and some vocab calls abort the process on them
+            raise InferenceError(f"token id {int(bad[0])} is outside the GGUF vocab "
                                  f"of {self.n_vocab}")
         out = np.empty((n, self.n_embd), dtype=np.float32)
         step = self._ctx.n_batch

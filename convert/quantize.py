@@ -24,7 +24,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from clef_gguf.cpus import available_cpus
 from clef_gguf.errors import ConversionError
+
+
+def _c_string(text: str, limit: int) -> bytes:
+    """UTF-8 of ``text`` in at most ``limit`` bytes, never cut inside a character."""
+    return text.encode()[:limit].decode("utf-8", "ignore").encode()
 
 # Published name -> llama_ftype (vendored include/llama.h). llama-cpp-python 0.3.36 has no
 # LLAMA_FTYPE_MOSTLY_Q1_0/Q2_0 constants; their values 40/41 come from that header.
@@ -81,12 +87,7 @@ def ggml_type(name: str | None) -> int | None:
 
 
 def _threads(threads: int | None) -> int:
-    if threads:
-        return int(threads)
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:
-        return max(1, os.cpu_count() or 1)
+    return int(threads) if threads else available_cpus()
 
 
 def _source_type(path: Path) -> str:
@@ -275,7 +276,7 @@ def _child(spec: dict) -> int:
             if isinstance(value, int):
                 slot.tag, slot.value.val_i64 = ll.LLAMA_KV_OVERRIDE_TYPE_INT, value
             else:
-                slot.tag, slot.value.val_str = ll.LLAMA_KV_OVERRIDE_TYPE_STR, value.encode()[:127]
+                slot.tag, slot.value.val_str = ll.LLAMA_KV_OVERRIDE_TYPE_STR, _c_string(value, 127)
         keep.append(kv)
         p.kv_overrides = kv
     rc = ll.llama_model_quantize(spec["src"].encode(), spec["dst"].encode(), ctypes.byref(p))

@@ -78,25 +78,6 @@ def read_head_config(path: str | Path) -> dict[str, int]:
     return check_config(config, source=path.name)
 
 
-def parameter_count(config: Mapping) -> int:
-    """Number of head parameters for a config, from the §1.2 shapes (Flash: 121,762,820)."""
-    sizes = check_config(config, source="config")
-    hidden, width, feedforward = sizes["hidden_size"], sizes["width"], sizes["feedforward"]
-    attention = 4 * width * width + 4 * width  # packed q/k/v in-projection plus out-projection, with biases
-    mlp = 2 * width * feedforward + feedforward + width
-    top = (
-        2 * hidden  # hidden_norm
-        + 6 * width * hidden  # the six bias-free projections
-        + 3 * width  # type_embedding
-        + 3 * 2 * width  # option_summary_norm, field_norm, option_norm
-        + (4 * width * width + width) + (width + 1)  # residual_scorer.0 and .3
-        + len(SCALARS)
-    )
-    routing = 3 * 2 * width + attention + mlp
-    decoder = 3 * 2 * width + 2 * attention + mlp
-    return top + sizes["routing_layers"] * routing + sizes["layers"] * decoder
-
-
 def load_head(
     config_path: str | Path,
     weights_path: str | Path,

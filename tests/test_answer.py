@@ -44,9 +44,13 @@ def test_score_expected_level_and_legend():
     assert a["probabilities"] == {"0": 0.2, "1": 0.3, "2": 0.5}
 
 
-def test_rounding_is_pythons_round_of_the_float32_value():
-    p = np.float32(0.00005)  # float32 nearest is just above or below the tie
-    assert answer._r(p) == round(float(p), 4)
+@pytest.mark.parametrize("p, reported", [
+    (0.00005, 0.0),  # float32 0.00005 is 4.99999987e-05: below the tie, rounds down
+    (0.00015, 0.0002),  # float32 1.50000007e-04: above the tie (float64 0.00015 gives 0.0001)
+    (0.99995, 0.9999),  # float32 0.999949992: below the tie (float64 0.99995 gives 1.0)
+])
+def test_rounding_is_pythons_round_of_the_float32_value(p, reported):
+    assert answer._r(np.float32(p)) == reported
 
 
 def test_softmax_is_float32_and_normalised():

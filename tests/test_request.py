@@ -197,12 +197,16 @@ def test_strict_refuses_what_the_reference_ignores(request_body, cls, field):
 
 
 def test_limits_accept_the_edges():
-    parse_request({"state": "s", "questions": {f"q{i}": {"type": "noul"} for i in range(64)}},
-                  strict=True)
-    parse_request(body(c={"type": "choice", "criteria": {str(i): None for i in range(255)}}),
-                  strict=True)
-    parse_request(body(s={"type": "score", "criteria": list("abcdefghij")}), strict=True)
-    parse_request(body(c={"type": "choice", "criteria": {"a": 1, "b": 2}}), strict=True)
+    r = parse_request({"state": "s", "questions": {f"q{i}": {"type": "noul"} for i in range(64)}},
+                      strict=True)
+    assert len(r.questions) == 64
+    r = parse_request(body(c={"type": "choice", "criteria": {str(i): None for i in range(255)}}),
+                      strict=True)
+    assert len(r.questions[0].options) == 255
+    r = parse_request(body(s={"type": "score", "criteria": list("abcdefghij")}), strict=True)
+    assert [o.id for o in r.questions[0].options] == [str(i) for i in range(10)]
+    r = parse_request(body(c={"type": "choice", "criteria": {"a": 1, "b": 2}}), strict=True)
+    assert r.questions[0].report_order == ("a", "b") and not r.warnings
 
 
 @pytest.mark.parametrize("raw, field", [

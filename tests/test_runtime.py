@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from clef_gguf import Clef, errors
+from clef_gguf import Clef, errors, files
 from clef_gguf.files import MANIFEST, from_directory
 
 REQUEST = {
@@ -42,7 +42,7 @@ def test_decide_answers_every_question(clef):
     assert out["usage"]["output_tokens"] == 0 and out["usage"]["input_tokens"] > 50
     audit = out["audit"]
     assert audit["backend"] == "llama-cpp-python" and audit["precision"] == "f32"
-    assert audit["model_hash"] == from_directory(clef.files.tower.parent).sha256[clef.files.tower.name]
+    assert audit["model_hash"] == files.sha256_file(clef.files.tower)  # the bytes, not the manifest
     assert audit["input_tokens"] == [out["usage"]["input_tokens"]]
 
 
@@ -53,9 +53,14 @@ def test_same_request_same_bytes(clef):
 
 
 def test_timings_cover_every_stage(clef):
-    _, timings = clef.run(clef.prepare(REQUEST))
-    assert set(timings) == {"encode", "tower", "lexical", "head", "total", "tokens"}
-    assert all(v >= 0 for v in timings.values())
+    prepared = clef.prepare(REQUEST)
+    _, timings = clef.run(prepared)
+    stages = ("encode", "tower", "lexical", "head", "answer")
+    assert set(timings) == {*stages, "total", "tokens"}
+    assert timings["tokens"] == prepared.encoded.n_tokens
+    assert timings["tower"] > 0 and timings["head"] > 0  # each stage is really timed
+    # the stages add up to the total: nothing is counted twice or left out
+    assert abs(sum(timings[s] for s in stages) - timings["total"]) < 0.05
 
 
 def test_probabilities_match_rounded_answers(clef):
@@ -67,8 +72,6 @@ def test_probabilities_match_rounded_answers(clef):
 
 def test_model_hash_describes_the_file_that_ran(tiny_model_dir, tiny_model_dir_factory, tmp_path,
                                                monkeypatch):
-    from clef_gguf import files
-
     manifest_hash = from_directory(tiny_model_dir).sha256["tower-f32.gguf"]
     real = files.sha256_file
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 
 from clef_gguf.argtypes import positive_int
-from clef_gguf.errors import ClefError, InvalidValue
+from clef_gguf.errors import ClefError
 
 DISTINCT = 16
 
@@ -131,12 +131,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
-def run(args: argparse.Namespace) -> int:
-    if min(args.concurrency) < 1 or args.requests < 1:
-        raise InvalidValue("--concurrency and --requests must be positive", field="concurrency")
-
+def _measure(args: argparse.Namespace, log_path: Path) -> tuple[list[dict], int]:
     proc = None
-    log_path = Path(tempfile.mkdtemp(prefix="clef-bench-")) / "server.log"
     url = args.url
     if args.model:
         proc, url = start_server(args, log_path)
@@ -153,6 +149,12 @@ def run(args: argparse.Namespace) -> int:
         if proc is not None:
             proc.terminate()
             proc.wait(60)
+    return rows, tokens
+
+
+def run(args: argparse.Namespace) -> int:
+    with tempfile.TemporaryDirectory(prefix="clef-bench-") as tmp:  # the server's log, removed after
+        rows, tokens = _measure(args, Path(tmp) / "server.log")
     if args.json:
         print(json.dumps({"input_tokens": tokens, "cpus": os.cpu_count(), "levels": rows}))
     else:

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from clef_gguf.heads import JointSchemaHead, head_scalars, parameter_count, random_head
+from clef_gguf.heads import SCALARS, JointSchemaHead, check_config, head_scalars, random_head
 
 JUDGE = dict(hidden_size=32, width=16, routing_layers=2, layers=4, heads=2, feedforward=24)
 VERDICT = dict(hidden_size=8, width=8, routing_layers=1, layers=2, heads=2, feedforward=16)
@@ -403,6 +403,25 @@ def test_state_dict_is_the_release_layout():
     found = {name: list(t.shape) for name, t in JointSchemaHead(**JUDGE).state_dict().items()}
     assert len(expected) == 122
     assert found == expected
+
+
+def parameter_count(config: dict) -> int:
+    """Head parameters from the spec's §1.2 shapes, counted independently of the module."""
+    sizes = check_config(config, source="config")
+    hidden, width, feedforward = sizes["hidden_size"], sizes["width"], sizes["feedforward"]
+    attention = 4 * width * width + 4 * width  # packed q/k/v in-projection plus out-projection, with biases
+    mlp = 2 * width * feedforward + feedforward + width
+    top = (
+        2 * hidden  # hidden_norm
+        + 6 * width * hidden  # the six bias-free projections
+        + 3 * width  # type_embedding
+        + 3 * 2 * width  # option_summary_norm, field_norm, option_norm
+        + (4 * width * width + width) + (width + 1)  # residual_scorer.0 and .3
+        + len(SCALARS)
+    )
+    routing = 3 * 2 * width + attention + mlp
+    decoder = 3 * 2 * width + 2 * attention + mlp
+    return top + sizes["routing_layers"] * routing + sizes["layers"] * decoder
 
 
 def test_parameter_count_release_configs():

@@ -9,12 +9,12 @@ def test_bench_reports_every_stage(tiny_model_dir):
                            "--repeat", "1"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
-    assert set(out["median_ms"]) == {"encode", "tower", "lexical", "head", "total"}
+    assert set(out["median_ms"]) == {"encode", "tower", "lexical", "head", "answer", "total"}
     assert out["tokens"] <= 400 and out["questions"]
 
 
 def test_bench_refuses_nonsense(tiny_model_dir):
     proc = subprocess.run(["clef-gguf", "bench", "--model", str(tiny_model_dir), "--repeat", "0"],
                           capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2
-    assert json.loads(proc.stdout)["error"]["code"] == "invalid_value"
+    assert proc.returncode == 2  # argparse refuses it before any model loads, naming the flag
+    assert "--repeat" in proc.stderr and "at least 1" in proc.stderr

@@ -17,5 +17,5 @@ def test_bench_server_small_run(tiny_model_dir):
 def test_bench_server_refuses_nonsense():
     proc = subprocess.run(["clef-gguf", "bench-server", "--url", "http://127.0.0.1:9",
                            "--concurrency", "0"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2
-    assert json.loads(proc.stdout)["error"]["code"] == "invalid_value"
+    assert proc.returncode == 2  # argparse refuses it, naming the flag
+    assert "--concurrency" in proc.stderr and "at least 1" in proc.stderr
