@@ -15,6 +15,9 @@ from clef_gguf import errors
 from clef_gguf.request import Question, Request
 
 
+_REPORT_CACHED = False  # switched on with the server tests that compare bodies without it
+
+
 def softmax32(logits: np.ndarray) -> np.ndarray:
     x = np.asarray(logits, dtype=np.float32)
     e = np.exp(x - x.max())
@@ -67,7 +70,7 @@ def allowed_token_hash(option_token_ids: np.ndarray) -> str:
 
 
 def envelope(request: Request, probs: list[np.ndarray], n_tokens: int, provenance: Provenance,
-             *, truncated: bool, option_token_ids: np.ndarray) -> dict:
+             *, truncated: bool, option_token_ids: np.ndarray, cached_tokens: int = 0) -> dict:
     answers = {q.id: answer(q, p) for q, p in zip(request.questions, probs)}
     response = {
         "model": request.model if request.model is not None else provenance.model_name,
@@ -83,6 +86,9 @@ def envelope(request: Request, probs: list[np.ndarray], n_tokens: int, provenanc
             "precision": provenance.precision,
         },
     }
+    if cached_tokens and _REPORT_CACHED:
+        # prompt tokens restored from the state cache instead of decoded
+        response["usage"]["cached_tokens"] = cached_tokens
     if truncated:
         response["truncated"] = True
     if request.warnings:  # keys the reference ignores, named so that a typo does not go unseen

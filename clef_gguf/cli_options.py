@@ -10,8 +10,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from clef_gguf.argtypes import positive_int
-from clef_gguf import errors, request
+from clef_gguf.argtypes import gpu_layers, megabytes, positive_int
+from clef_gguf import errors, statecache
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -25,12 +25,20 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer", help="tokenizer.json path")
     g.add_argument("--threads", type=positive_int, default=None,
                    help="CPU threads for the tower (default: all cores available to this process)")
+    g.add_argument("--gpu-layers", type=gpu_layers, default="auto",
+                   help="tower layers on the GPU: auto (default: all when this llama-cpp-python "
+                        "build has a GPU backend and the model fits, as `clef-gguf pick` says; "
+                        "else 0), all, or a count; 0 keeps it on the CPU")
     g.add_argument("--max-length", type=positive_int, default=16384,
                    help="prompt window in tokens (reference: 16384); longer requests are refused")
     g.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
                    help="head precision: fp32 (default) or bf16 (the reference's numerics)")
     g.add_argument("--offline", action="store_true",
                    help="never download: catalog names resolve from the local cache only")
+    g.add_argument("--state-cache-mb", type=megabytes, default=statecache.DEFAULT_MB,
+                   help="memory for reusing decoded states: another question set about a state "
+                        "seen before decodes only its questions, a repeated request skips the "
+                        f"tower (default {statecache.DEFAULT_MB} MiB; 0 turns it off)")
     g.add_argument("--strict", action="store_true",
                    help="refuse keys the reference ignores (unknown_field) and apply Jev's limits "
                         "(1-64 questions, 2-255 choice options, 2-10 score levels); by default "
@@ -43,7 +51,8 @@ def load_model(args: argparse.Namespace):
     return Clef.load(args.model, gguf=args.gguf, head=args.head, head_config=args.head_config,
                      tokenizer=args.tokenizer, threads=args.threads, max_length=args.max_length,
                      precision=args.precision, allow_download=not args.offline,
-                     strict=args.strict)
+                     strict=args.strict, state_cache_mb=args.state_cache_mb,
+                     gpu_layers=args.gpu_layers)
 
 
 def read_request(source: str):
@@ -52,4 +61,6 @@ def read_request(source: str):
     except OSError as exc:
         raise errors.InvalidValue(f"cannot read the request: {exc.strerror}: {source}",
                                   field="request") from None
-    return request.parse_json(raw)
+    from clef_gguf.request import parse_json  # pydantic: only for the commands that read one
+
+    return parse_json(raw)

@@ -64,6 +64,7 @@ class Encoded:
     option_counts: tuple[int, ...]
     types: tuple[int, ...]
     state_tokens: int  # state tokens kept in the prompt
+    prefix_tokens: int  # the fixed system prefix: the prompt is [prefix][state][schema + suffix]
     truncated: bool  # True only when the caller asked for truncation and it happened
 
     @property
@@ -173,5 +174,6 @@ class Encoder:
             option_counts=tuple(len(q.options) for q in request.questions),
             types=tuple(q.type_index for q in request.questions),
             state_tokens=len(state),
+            prefix_tokens=len(self.prefix),
             truncated=truncated,
         )

@@ -10,12 +10,13 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
 import torch
 
-from clef_gguf import answer, errors, files as model_files
+from clef_gguf import answer, errors, files as model_files, statecache
 from clef_gguf.encode import DEFAULT_MAX_LENGTH, TEMPLATE_SHA256, Encoded, Encoder
 from clef_gguf.heads import head_scalars, load_head
 from clef_gguf.models.catalog import is_catalog_name
@@ -28,6 +29,14 @@ log = logging.getLogger("clef_gguf")
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TOWER_ARCH = "qwen35"
 BACKEND = "llama-cpp-python"
+
+
+@dataclass(frozen=True)
+class _Forward:
+    logits: np.ndarray  # flat fp32, every option of every question
+    option_ids: np.ndarray  # token ids of the option spans (the lexical rows)
+    cached_tokens: int  # prompt tokens restored instead of decoded
+    marks: tuple[float, ...]  # perf_counter between stages: tower, lexical, head
 
 
 @dataclass(frozen=True)
@@ -79,14 +88,36 @@ def resolve(model: str | Path | None = None, *, gguf: str | Path | None = None,
     return found
 
 
+def _gpu_layers(asked: int | str | None, tower: Path, n_embd: int, context: int) -> int:
+    """``"all"`` -> -1, a count as given, ``"auto"``: the device policy's placement (all layers when
+    this build can offload and the model fits the GPU, else 0), as ``clef-gguf pick`` reports."""
+    if asked == "all":
+        return -1
+    if asked not in (None, "auto"):
+        return asked  # Tower.load checks it
+    from clef_gguf.tower import gpu_offload
+
+    if not gpu_offload():  # a CPU-only build: nothing to decide, and no probe to run
+        return 0
+    from clef_gguf.models import device
+    from clef_gguf.models.catalog import load_catalog
+
+    catalog = load_catalog()
+    family = next((f for f in catalog.families.values() if f.architecture.hidden_size == n_embd),
+                  catalog.family("clef-flash"))  # an unknown model: Clef-Flash's memory model
+    return device.gpu_layers(device.probe(), tower.stat().st_size, family, context_tokens=context)
+
+
 class Clef:
     """A loaded Clef model: ``decide(request) -> SystemOne response dict``."""
 
     def __init__(self, files: model_files.ModelFiles, tower: Tower, lexical: LexicalRows,
                  head: torch.nn.Module, encoder: Encoder, provenance: answer.Provenance,
-                 info: dict[str, Any], *, strict: bool = False):
+                 info: dict[str, Any], *, strict: bool = False,
+                 state_cache_mb: float = statecache.DEFAULT_MB):
         self.files, self.tower, self.lexical, self.head = files, tower, lexical, head
         self.strict = strict  # refuse what the reference ignores, and apply Jev's count limits
+        self.state_cache = statecache.StateCache(int(state_cache_mb * (1 << 20)))
         self.encoder, self.provenance, self.info = encoder, provenance, info
         self.head_dtype = next(head.parameters()).dtype
 
@@ -95,10 +126,15 @@ class Clef:
              head: str | Path | None = None, head_config: str | Path | None = None,
              tokenizer: str | Path | None = None, threads: int | None = None,
              max_length: int = DEFAULT_MAX_LENGTH, precision: str = "fp32",
-             allow_download: bool = False, strict: bool = False) -> Clef:
+             allow_download: bool = False, strict: bool = False,
+             state_cache_mb: float = statecache.DEFAULT_MB,
+             gpu_layers: int | str = "auto") -> Clef:
         if precision not in PRECISIONS:
             raise errors.InvalidValue(f"precision must be one of {', '.join(PRECISIONS)}",
                                       field="precision")
+        if not isinstance(state_cache_mb, (int, float)) or not 0 <= state_cache_mb < 1 << 30:
+            raise errors.InvalidValue(f"state_cache_mb must be a size in MiB >= 0 (got "
+                                      f"{state_cache_mb!r})", field="state_cache_mb")
         found = resolve(model, gguf=gguf, head=head, head_config=head_config,
                         tokenizer=tokenizer, allow_download=allow_download,
                         context_tokens=max_length)
@@ -118,7 +154,8 @@ class Clef:
             raise errors.HeadMismatch(
                 f"the tokenizer has {encoder.vocab_size} tokens but the GGUF vocab has only "
                 f"{lexical.vocab_size}: they are not from the same release", field="tokenizer")
-        tower = Tower.load(found.tower, n_ctx=max_length, threads=threads)
+        layers = _gpu_layers(gpu_layers, found.tower, lexical.hidden_size, max_length)
+        tower = Tower.load(found.tower, n_ctx=max_length, threads=threads, gpu_layers=layers)
         if tower.n_embd != lexical.hidden_size:
             tower.close()
             raise errors.CorruptModel(f"n_embd {tower.n_embd} != lm_head width "
@@ -131,10 +168,11 @@ class Clef:
                 | {found.tower.name: model_hash},
                 "backend": BACKEND, "precision": quant, "head_dtype": precision,
                 "max_length": max_length, "n_embd": tower.n_embd, "lexical_rows": lexical.type.name,
-                "lm_head_avoided": tower.uses_nextn}
-        log.info("loaded %s (%s, n_embd %d), head scalars %s", found.tower.name, quant,
-                 tower.n_embd, head_scalars(joint))
-        return cls(found, tower, lexical, joint, encoder, provenance, info, strict=strict)
+                "lm_head_avoided": tower.uses_nextn, "gpu_layers": tower.gpu_layers}
+        log.info("loaded %s (%s, n_embd %d) on %s, head scalars %s", found.tower.name, quant,
+                 tower.n_embd, "the GPU" if tower.gpu_layers else "the CPU", head_scalars(joint))
+        return cls(found, tower, lexical, joint, encoder, provenance, info, strict=strict,
+                   state_cache_mb=state_cache_mb)
 
     def prepare(self, request: Any, *, truncate_state: bool = False,
                 strict: bool | None = None) -> Prepared:
@@ -144,10 +182,10 @@ class Clef:
         encoded = self.encoder.encode(parsed)
         return Prepared(parsed, encoded, (time.perf_counter() - t0) * 1e3)
 
-    def _forward(self, enc: Encoded) -> tuple[np.ndarray, np.ndarray, tuple[float, ...]]:
-        """Flat fp32 logits, the option token ids, and perf_counter marks between stages."""
+    def _forward(self, enc: Encoded) -> _Forward:
         t0 = time.perf_counter()
-        hidden = self.tower.hidden_states(enc.ids)
+        hidden, cached = self.tower.forward(enc.ids, enc.prefix_tokens, enc.state_tokens,
+                                            self.state_cache)
         t1 = time.perf_counter()
         option_ids = enc.option_token_ids()
         rows = self.lexical.rows(option_ids)
@@ -156,14 +194,17 @@ class Clef:
             logits = self.head(torch.from_numpy(hidden), torch.from_numpy(rows).to(self.head_dtype),
                                list(enc.question_spans), list(enc.option_spans),
                                list(enc.option_counts), list(enc.types))
-        return logits.float().numpy(), option_ids, (t0, t1, t2, time.perf_counter())
+        return _Forward(logits.float().numpy(), option_ids, cached,
+                        (t0, t1, t2, time.perf_counter()))
 
     def run(self, prepared: Prepared) -> tuple[dict, dict[str, float]]:
         enc = prepared.encoded
-        logits, option_ids, (t0, t1, t2, t3) = self._forward(enc)
-        probs = answer.split_probabilities(logits, enc.option_counts)
+        out = self._forward(enc)
+        t0, t1, t2, t3 = out.marks
+        probs = answer.split_probabilities(out.logits, enc.option_counts)
         response = answer.envelope(prepared.request, probs, enc.n_tokens, self.provenance,
-                                   truncated=enc.truncated, option_token_ids=option_ids)
+                                   truncated=enc.truncated, option_token_ids=out.option_ids,
+                                   cached_tokens=out.cached_tokens)
         t4 = time.perf_counter()
         ms = lambda a, b: round((b - a) * 1e3, 3)  # noqa: E731
         timings = {"encode": round(prepared.encode_ms, 3), "tower": ms(t0, t1),
@@ -175,10 +216,49 @@ class Clef:
                strict: bool | None = None) -> dict:
         return self.run(self.prepare(request, truncate_state=truncate_state, strict=strict))[0]
 
+    def decide_many(self, requests: Iterable[Any], *, truncate_state: bool = False,
+                    window: int = 64) -> Iterator[dict]:
+        """One response per request, in input order, as a generator; a request that fails gives
+        ``{"error": {code, message, field}}`` in its place instead of stopping the rest.
+
+        Within each ``window`` of requests, those about the same state run one after another, so
+        its ``[prefix][state]`` is decoded once and restored for the others (the state cache)."""
+        if not isinstance(window, int) or window < 1:
+            raise errors.InvalidValue(f"window must be a whole number >= 1 (got {window!r})",
+                                      field="window")
+        pending: list[Any] = []
+        for request in requests:
+            pending.append(request)
+            if len(pending) == window:
+                yield from self._many(pending, truncate_state)
+                pending = []
+        if pending:
+            yield from self._many(pending, truncate_state)
+
+    def _many(self, requests: list[Any], truncate_state: bool) -> list[dict]:
+        results: list[dict | None] = [None] * len(requests)
+        prepared: dict[int, Prepared] = {}
+        for i, request in enumerate(requests):
+            try:
+                prepared[i] = self.prepare(request, truncate_state=truncate_state)
+            except errors.ClefError as exc:
+                results[i] = exc.to_dict()
+
+        def state_of(i: int) -> bytes:
+            enc = prepared[i].encoded
+            return enc.ids[:enc.prefix_tokens + enc.state_tokens].tobytes()
+
+        for i in sorted(prepared, key=state_of):  # stable: input order within one state
+            try:
+                results[i] = self.run(prepared[i])[0]
+            except errors.ClefError as exc:
+                results[i] = exc.to_dict()
+        return results
+
     def probabilities(self, request: Any, *, truncate_state: bool = False) -> list[np.ndarray]:
         """Unrounded fp32 probabilities per question, in prompt option order (parity checks)."""
         enc = self.prepare(request, truncate_state=truncate_state).encoded
-        return answer.split_probabilities(self._forward(enc)[0], enc.option_counts)
+        return answer.split_probabilities(self._forward(enc).logits, enc.option_counts)
 
     def close(self) -> None:
         self.tower.close()

@@ -20,6 +20,7 @@ import numpy as np
 
 from clef_gguf.cpus import available_cpus
 from clef_gguf.errors import CorruptModel, InferenceError, InvalidValue, ModelNotFound
+from clef_gguf.statecache import Snapshot, StateCache
 
 log = logging.getLogger("clef_gguf.llama")
 
@@ -68,6 +69,11 @@ _get_nextn = _bind(("llama_get_embeddings_nextn", "_Z26llama_get_embeddings_next
                    [ctypes.c_void_p], ctypes.POINTER(ctypes.c_float))
 
 
+def gpu_offload() -> bool:
+    """Whether this llama.cpp build has a GPU backend (CUDA, Metal, Vulkan...)."""
+    return bool(ll.llama_supports_gpu_offload())
+
+
 def _extra_buffer_types() -> bool:
     """ggml's extra weight buffers (CPU repacking, AMX) unless this build has AMX: a native build on
     an AMX CPU (Sapphire Rapids and later) segfaults decoding Q8_0 towers there, so it gets the
@@ -76,12 +82,13 @@ def _extra_buffer_types() -> bool:
 
 
 class _Model:
-    """Owns a ``llama_model*`` loaded with mmap, CPU only."""
+    """Owns a ``llama_model*`` loaded with mmap, ``gpu_layers`` of it offloaded."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, gpu_layers: int = 0):
         params = ll.llama_model_default_params()
         params.load_mode = ll.LLAMA_LOAD_MODE_MMAP
-        params.n_gpu_layers = 0
+        params.n_gpu_layers = gpu_layers  # -1: all; without a GPU backend llama.cpp uses the CPU
+        self.gpu_layers = gpu_layers if gpu_offload() else 0
         params.use_extra_bufts = _extra_buffer_types()
         _LOG_TAIL.clear()
         self.ptr = ll.llama_model_load_from_file(str(path).encode(), params)
@@ -143,17 +150,21 @@ class Tower:
     def __init__(self, model: _Model, ctx: _Context, path: Path):
         self._model, self._ctx, self.path = model, ctx, path
         self._lock = threading.Lock()
+        self._prefix: tuple[bytes, Snapshot] | None = None  # the system prefix, decoded once
 
     @classmethod
     def load(cls, path: str | Path, *, n_ctx: int = 16384, threads: int | None = None,
-             n_batch: int = 512) -> Tower:
+             n_batch: int = 512, gpu_layers: int = 0) -> Tower:
         path = Path(path)
         if threads is not None and (not isinstance(threads, int) or threads < 1):
             raise InvalidValue(f"threads must be a whole number >= 1 (got {threads!r})",
                                field="threads")
+        if not isinstance(gpu_layers, int) or isinstance(gpu_layers, bool) or gpu_layers < -1:
+            raise InvalidValue(f"gpu_layers must be -1 (all), 0 or a layer count (got "
+                               f"{gpu_layers!r})", field="gpu_layers")
         if not path.is_file():
             raise ModelNotFound(f"GGUF file not found: {path}", field="tower")
-        model = _Model(path)
+        model = _Model(path, gpu_layers)
         try:
             ctx = _Context(model, n_ctx, min(n_batch, n_ctx), threads or available_cpus())
         except BaseException:
@@ -178,10 +189,15 @@ class Tower:
         return self._ctx.threads
 
     @property
+    def gpu_layers(self) -> int:
+        """Layers offloaded (-1: all); 0 on a CPU-only build whatever was asked."""
+        return self._model.gpu_layers
+
+    @property
     def uses_nextn(self) -> bool:
         return self._ctx.nextn
 
-    def hidden_states(self, ids: np.ndarray) -> np.ndarray:
+    def _checked(self, ids: np.ndarray) -> np.ndarray:
         ids = np.ascontiguousarray(ids, dtype=np.int32)
         n = int(ids.shape[0])
         if n == 0 or n > self.n_ctx:
@@ -190,23 +206,97 @@ class Tower:
         if bad.size:  # llama.cpp would reject these, and some vocab calls abort the process on them
             raise InferenceError(f"token id {int(bad[0])} is outside the GGUF vocab "
                                  f"of {self.n_vocab}")
-        out = np.empty((n, self.n_embd), dtype=np.float32)
+        if self._ctx.ptr is None:
+            raise InferenceError("the tower is closed")
+        return ids
+
+    def _clear(self) -> None:
+        ll.llama_memory_clear(ll.llama_get_memory(self._ctx.ptr), True)
+
+    def _decode(self, ids: np.ndarray) -> np.ndarray:
+        """Append ``ids`` to the sequence, in chunks of ``n_batch`` from the segment's own start:
+        the fixed schedule that makes a restored segment bit-identical to a decoded one. Chunks
+        also keep every call under llama.cpp's per-call n_batch assert (an abort, not an error)."""
+        out = np.empty((len(ids), self.n_embd), dtype=np.float32)
         step = self._ctx.n_batch
-        with self._lock:
-            if self._ctx.ptr is None:
-                raise InferenceError("the tower is closed")
-            ll.llama_memory_clear(ll.llama_get_memory(self._ctx.ptr), True)
-            # Chunked decodes carry the recurrent and KV state over, so a long prompt never meets
-            # llama.cpp's per-call n_batch assert (which aborts instead of returning an error).
-            for start in range(0, n, step):
-                chunk = ids[start:start + step]
-                batch = ll.llama_batch_get_one(
-                    chunk.ctypes.data_as(ctypes.POINTER(ll.llama_token)), len(chunk))
-                rc = ll.llama_decode(self._ctx.ptr, batch)
-                if rc != 0:
-                    raise InferenceError(f"llama_decode failed with code {rc}: {_log_errors()}")
-                out[start:start + len(chunk)] = self._ctx.rows(len(chunk), self.n_embd)
+        for start in range(0, len(ids), step):
+            chunk = np.ascontiguousarray(ids[start:start + step])
+            batch = ll.llama_batch_get_one(
+                chunk.ctypes.data_as(ctypes.POINTER(ll.llama_token)), len(chunk))
+            rc = ll.llama_decode(self._ctx.ptr, batch)
+            if rc != 0:
+                self._clear()
+                raise InferenceError(f"llama_decode failed with code {rc}: {_log_errors()}")
+            out[start:start + len(chunk)] = self._ctx.rows(len(chunk), self.n_embd)
         return out
+
+    def _save(self) -> np.ndarray:
+        """The whole sequence (KV cells + recurrent state), serialized by llama.cpp."""
+        size = ll.llama_state_seq_get_size_ext(self._ctx.ptr, 0, 0)
+        buf = np.empty(size, dtype=np.uint8)
+        got = ll.llama_state_seq_get_data_ext(
+            self._ctx.ptr, buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), size, 0, 0)
+        if got != size:
+            raise InferenceError(f"llama.cpp saved {got} of {size} bytes of the sequence state")
+        return buf
+
+    def _restore(self, buf: np.ndarray) -> None:
+        self._clear()
+        got = ll.llama_state_seq_set_data_ext(
+            self._ctx.ptr, buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), buf.size, 0, 0)
+        if got != buf.size:
+            self._clear()
+            raise InferenceError("llama.cpp could not restore a saved sequence state")
+
+    def hidden_states(self, ids: np.ndarray) -> np.ndarray:
+        """Hidden states of one prompt decoded from scratch, as one segment (no reuse)."""
+        with self._lock:
+            ids = self._checked(ids)
+            self._clear()
+            return self._decode(ids)
+
+    def forward(self, ids: np.ndarray, prefix: int, state: int,
+                cache: StateCache | None = None) -> tuple[np.ndarray, int]:
+        """``(hidden [T, n_embd], cached_tokens)`` of a prompt ``[prefix][state][rest]``, the
+        segments given as token counts. The prefix is decoded once and restored after; with a
+        ``cache``, a known ``[prefix][state]`` is restored and a known prompt is not decoded."""
+        cache = cache if cache is not None and cache.max_bytes > 0 else None
+        ids = np.ascontiguousarray(ids, dtype=np.int32)
+        prompt_key = cache.key("prompt", ids) if cache is not None else None
+        if cache is not None and (hit := cache.get(prompt_key)) is not None:
+            return hit.hidden.copy(), hit.n_tokens
+        with self._lock:
+            ids = self._checked(ids)
+            hidden, cached = self._forward_locked(ids, prefix, state, cache)
+        if cache is not None:
+            cache.put(prompt_key, Snapshot(len(ids), None, hidden.copy()))
+        return hidden, cached
+
+    def _forward_locked(self, ids: np.ndarray, prefix: int, state: int,
+                        cache: StateCache | None) -> tuple[np.ndarray, int]:
+        head = prefix + state
+        state_key = cache.key("state", ids[:head]) if cache is not None and state else None
+        known = cache.get(state_key) if state_key else None
+        if known is not None:
+            self._restore(known.seq_state)
+            parts, cached = [known.hidden], head
+        else:
+            key = ids[:prefix].tobytes()
+            if self._prefix is not None and self._prefix[0] == key:
+                self._restore(self._prefix[1].seq_state)
+                parts, cached = [self._prefix[1].hidden], prefix
+            else:
+                self._clear()
+                parts, cached = [self._decode(ids[:prefix])], 0
+                self._prefix = (key, Snapshot(prefix, self._save(), parts[0]))
+            if state:
+                parts.append(self._decode(ids[prefix:head]))
+                size = ll.llama_state_seq_get_size_ext(self._ctx.ptr, 0, 0)
+                if state_key and size + head * self.n_embd * 4 <= cache.max_bytes:
+                    cache.put(state_key, Snapshot(head, self._save(), np.concatenate(parts)))
+        if head < len(ids):
+            parts.append(self._decode(ids[head:]))
+        return np.concatenate(parts), cached
 
     def close(self) -> None:
         with self._lock:

@@ -63,6 +63,8 @@ class DeviceProfile:
     # Whether the installed llama.cpp can offload to a GPU; None = unknown (llama_cpp not importable).
     gpu_offload: bool | None = None
     label: str = ""
+    backends: tuple[str, ...] = ()  # GPU backends compiled into llama.cpp: CUDA, Metal, Vulkan...
+    unified_memory: bool = False  # Apple silicon: the GPU works in the same RAM as the CPU
 
     @property
     def avx2(self) -> bool:
@@ -172,18 +174,15 @@ def recommend(profile: DeviceProfile, family: Family | str = "clef-flash", *,
     host_side = mem.head_bytes + mem.lexical_rows_bytes + mem.runtime_bytes
     breakdown["free_headroom"] = free_headroom(profile.total_ram)
     host = host_budget(profile)
-    gpu = max(profile.gpus, key=lambda g: g.vram_free or g.vram_total, default=None)
-    gpu_budget = 0
-    if gpu is not None and profile.gpu_offload is not False:
-        gpu_budget = max(0, (gpu.vram_free if gpu.vram_free is not None else gpu.vram_total) - GPU_RESERVE)
+    gpu, gpu_budget = _gpu_budget(profile)
 
     candidates = []
     for quant in family.quants():
         source = family.tower_source(quant)
         size, basis = family.tower_size(quant)
         tower = int(size * SIZE_MARGIN[basis])
-        fits_cpu = quant not in CPU_SKIP and tower + device_side + host_side <= host
-        fits_gpu = gpu_budget > 0 and tower + device_side <= gpu_budget and host_side <= host
+        fits_cpu, fits_gpu = _fits(profile, tower, device_side, host_side, gpu_budget)
+        fits_cpu = fits_cpu and quant not in CPU_SKIP
         candidates.append(Candidate(quant, source.alias, size, basis, tower + device_side + host_side,
                                     fits_cpu, fits_gpu))
 
@@ -242,6 +241,45 @@ def recommend(profile: DeviceProfile, family: Family | str = "clef-flash", *,
                           reason, breakdown, tuple(candidates))
 
 
+def _gpu_budget(profile: DeviceProfile) -> tuple[GPU | None, int]:
+    """The roomiest GPU and the bytes usable on it (0 when llama.cpp cannot offload)."""
+    gpu = max(profile.gpus, key=lambda g: g.vram_free or g.vram_total, default=None)
+    if gpu is None or profile.gpu_offload is False:
+        return gpu, 0
+    if profile.unified_memory:  # the GPU's memory is the RAM the host budget already counts
+        return gpu, host_budget(profile)
+    return gpu, max(0, (gpu.vram_free if gpu.vram_free is not None else gpu.vram_total) - GPU_RESERVE)
+
+
+def _fits(profile: DeviceProfile, tower: int, device_side: int, host_side: int,
+          gpu_budget: int) -> tuple[bool, bool]:
+    """(fits on the CPU, fits with the tower on the GPU): the one rule behind every placement."""
+    host = host_budget(profile)
+    fits_cpu = tower + device_side + host_side <= host
+    if profile.unified_memory:
+        fits_gpu = gpu_budget > 0 and fits_cpu
+    else:
+        fits_gpu = gpu_budget > 0 and tower + device_side <= gpu_budget and host_side <= host
+    return fits_cpu, fits_gpu
+
+
+def gpu_layers(profile: DeviceProfile, tower_bytes: int, family: Family | str = "clef-flash", *,
+               context_tokens: int = DEFAULT_CONTEXT, catalog: Catalog | None = None) -> int:
+    """Layers to offload for a tower of ``tower_bytes``: -1 (all) where ``recommend`` would place
+    it on the GPU, else 0. The runtime's default, so ``pick``, ``--quant auto`` and a loaded model
+    never disagree."""
+    if not profile.gpu_offload:
+        return 0
+    if isinstance(family, str):
+        family = (catalog or load_catalog()).family(family)
+    mem = family.memory
+    device_side = (mem.kv_bytes_per_token * context_tokens + mem.recurrent_bytes_per_sequence
+                   + mem.compute_bytes)
+    host_side = mem.head_bytes + mem.lexical_rows_bytes + mem.runtime_bytes
+    _, budget = _gpu_budget(profile)
+    return -1 if _fits(profile, tower_bytes, device_side, host_side, budget)[1] else 0
+
+
 def _cpu_note(profile: DeviceProfile, placement: str) -> str:
     if placement != "cpu":
         return ""
@@ -258,10 +296,15 @@ def _cpu_note(profile: DeviceProfile, placement: str) -> str:
 def probe(*, check_llama: bool = True) -> DeviceProfile:
     """This machine's RAM, CPU features, NVIDIA GPUs and llama.cpp GPU offload support."""
     total, available = _ram()
+    apple = platform.system() == "Darwin" and platform.machine().lower() in ("arm64", "aarch64")
+    gpus = (GPU(0, "Apple silicon GPU (Metal, unified memory)", total, available),) if apple \
+        else _nvidia_gpus()
     return DeviceProfile(total_ram=total, available_ram=available, cpu_count=os.cpu_count() or 1,
-                         arch=platform.machine(), cpu_flags=_cpu_flags(), gpus=_nvidia_gpus(),
+                         arch=platform.machine(), cpu_flags=_cpu_flags(), gpus=gpus,
                          gpu_offload=_llama_gpu_offload() if check_llama else None,
-                         label=platform.node() or "this machine")
+                         label=platform.node() or "this machine",
+                         backends=llama_backends() if check_llama else (),
+                         unified_memory=apple)
 
 
 def _ram() -> tuple[int, int]:
@@ -318,6 +361,18 @@ def _nvidia_gpus() -> tuple[GPU, ...]:
     return tuple(gpus)
 
 
+def llama_backends() -> tuple[str, ...]:
+    """The GPU backends of the installed llama.cpp build, from its system info line
+    (``CPU : AVX2 = 1 | ... | CUDA : ARCHS = 890 | ...``)."""
+    try:
+        import llama_cpp
+        info = llama_cpp.llama_print_system_info().decode("utf-8", "replace")
+    except Exception:
+        return ()
+    names = [seg.split(" : ")[0].strip() for seg in info.split("|") if " : " in seg]
+    return tuple(n for n in names if n and n.upper() != "CPU")
+
+
 def _llama_gpu_offload() -> bool | None:
     try:
         import llama_cpp
@@ -353,6 +408,8 @@ def run(args) -> int:
         print(f"      llama.cpp GPU offload: {offload}")
     else:
         print("GPU:  none")
+    print(f"llama.cpp backends: {', '.join(('CPU',) + profile.backends)}"
+          + ("" if profile.backends else " (a CPU-only build; see README for CUDA/Metal/Vulkan)"))
     print()
     if rec.ok:
         print(f"Recommended: {rec.name} (on {rec.placement.upper()})")

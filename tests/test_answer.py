@@ -70,9 +70,10 @@ def test_non_finite_logits_are_an_error_not_nan_answers():
 def test_envelope_echoes_model_and_carries_audit():
     r = request({"n": {"type": "noul"}}, model="my-model")
     probs = [np.array([0.6, 0.4], dtype=np.float32)]
-    out = answer.envelope(r, probs, 77, PROV, truncated=False, option_token_ids=np.arange(4))
+    out = answer.envelope(r, probs, 77, PROV, truncated=False, option_token_ids=np.arange(4),
+                          cached_tokens=36)
     assert out["model"] == "my-model"
-    assert out["usage"] == {"input_tokens": 77, "output_tokens": 0}
+    assert out["usage"] == {"input_tokens": 77, "output_tokens": 0, "cached_tokens": 36}
     audit = out["audit"]
     assert audit["model_hash"] == "abc123" and audit["input_tokens"] == [77]
     assert audit["prompt_template_sha256"] == ["tmpl"]

@@ -93,10 +93,11 @@ def test_models_use_only_errors_files_and_argtypes_of_the_runtime():
             assert not bad, f"{name} imports {sorted(bad)}"
 
 
-def test_the_pipeline_imports_models_only_to_resolve_a_name():
+def test_the_pipeline_imports_models_only_to_resolve_a_name_or_place_the_tower():
     for stage in PIPELINE:
         deps = {d for d in GRAPH[f"clef_gguf.{stage}"] if d.startswith("clef_gguf.models")}
-        expected = {"clef_gguf.models.catalog", "clef_gguf.models.hub"} if stage == "runtime" else set()
+        expected = {"clef_gguf.models.catalog", "clef_gguf.models.hub", "clef_gguf.models.device"} \
+            if stage == "runtime" else set()
         assert deps <= expected, f"clef_gguf.{stage} imports {sorted(deps)}"
 
 

@@ -203,3 +203,33 @@ def test_a_mistyped_directory_is_not_sent_to_the_hub(tmp_path, monkeypatch):
     with pytest.raises(errors.ModelNotFound) as info:
         Clef.load("demo-modle")
     assert "neither a model directory" in info.value.message
+
+
+def test_gpu_layers_on_a_cpu_only_build(tiny_model_dir):
+    from clef_gguf import runtime
+
+    for asked in ("auto", "all", 0, 3):
+        with Clef.load(tiny_model_dir, gpu_layers=asked, state_cache_mb=0) as clef:
+            assert clef.info["gpu_layers"] == 0  # this build has no GPU backend: it runs on the CPU
+            assert clef.decide(REQUEST)["answers"]
+    with pytest.raises(errors.InvalidValue) as info:
+        Clef.load(tiny_model_dir, gpu_layers=-2)
+    assert info.value.field == "gpu_layers"
+    assert runtime._gpu_layers("all", tiny_model_dir / "tower-f32.gguf", 64, 16384) == -1
+
+
+def test_auto_gpu_layers_follow_the_device_policy(tiny_model_dir, monkeypatch):
+    from clef_gguf import runtime, tower
+    from clef_gguf.models import device
+
+    box = device.DeviceProfile(64 << 30, 50 << 30, 16, "x86_64", frozenset({"avx2"}),
+                               (device.GPU(0, "RTX 4090", 24 << 30, 23 << 30),), True)
+    monkeypatch.setattr(tower, "gpu_offload", lambda: True)
+    monkeypatch.setattr(device, "probe", lambda **_: box)
+    path = tiny_model_dir / "tower-f32.gguf"
+    assert runtime._gpu_layers("auto", path, 64, 16384) == -1
+    small = device.DeviceProfile(**{**box.__dict__, "gpus": (device.GPU(0, "tiny", 1 << 30, 1 << 29),)})
+    monkeypatch.setattr(device, "probe", lambda **_: small)
+    assert runtime._gpu_layers("auto", path, 64, 16384) == 0  # KV for 16k tokens does not fit
+    monkeypatch.setattr(tower, "gpu_offload", lambda: False)
+    assert runtime._gpu_layers("auto", path, 64, 16384) == 0

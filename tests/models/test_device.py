@@ -182,3 +182,50 @@ def test_cpu_flags_from_x86_and_arm_cpuinfo(tmp_path):
     assert {"avx2", "avx512f"} <= device._cpu_flags(x86)
     arm_profile = DeviceProfile(8 * GiB, 6 * GiB, 4, "aarch64", device._cpu_flags(arm))
     assert arm_profile.neon and not arm_profile.avx2
+
+
+MAC = DeviceProfile(16 * GiB, 12 * GiB, 10, "arm64", frozenset({"neon"}),
+                    (GPU(0, "Apple silicon GPU (Metal, unified memory)", 16 * GiB, 12 * GiB),), True,
+                    backends=("Metal",), unified_memory=True)
+
+
+@pytest.mark.parametrize("name", [*PROFILES, "mac"])
+def test_runtime_placement_agrees_with_pick(cat, name):
+    """One policy: the runtime's default --gpu-layers for the recommended file is what pick says."""
+    profile = MAC if name == "mac" else PROFILES[name]
+    rec = recommend(profile, "clef-flash", catalog=cat)
+    if not rec.ok:
+        return
+    family = cat.family("clef-flash")
+    size, basis = family.tower_size(rec.quant)
+    layers = device.gpu_layers(profile, int(size * device.SIZE_MARGIN[basis]), family)
+    assert (layers == -1) == (rec.placement == "gpu"), (rec.placement, layers)
+    if profile.gpu_offload is not True:
+        assert layers == 0
+
+
+def test_apple_silicon_uses_metal_in_unified_memory(cat):
+    rec = recommend(MAC, "clef-flash", catalog=cat)
+    assert rec.placement == "gpu"
+    # unified memory: GPU placement still has to fit the one RAM budget, host side included
+    assert rec.need_bytes + cat.family("clef-flash").memory.head_bytes <= device.host_budget(MAC)
+    too_big = device.gpu_layers(MAC, 20 * GiB, "clef-flash", catalog=cat)
+    assert too_big == 0
+
+
+def test_a_tower_too_big_for_the_gpu_stays_on_the_cpu(cat):
+    box = PROFILES["24 GB GPU box"]
+    assert device.gpu_layers(box, 5 * GiB, "clef-flash", catalog=cat) == -1
+    assert device.gpu_layers(box, 30 * GiB, "clef-flash", catalog=cat) == 0
+    no_build = DeviceProfile(**{**box.__dict__, "gpu_offload": False})
+    assert device.gpu_layers(no_build, 5 * GiB, "clef-flash", catalog=cat) == 0
+
+
+def test_backends_come_from_llama_cpps_system_info(monkeypatch):
+    import llama_cpp
+
+    monkeypatch.setattr(llama_cpp, "llama_print_system_info", lambda: (
+        b"CPU : SSE3 = 1 | AVX2 = 1 | CUDA : ARCHS = 890 | USE_GRAPHS = 1 | Metal : EMBED = 1 | "))
+    assert device.llama_backends() == ("CUDA", "Metal")
+    monkeypatch.setattr(llama_cpp, "llama_print_system_info", lambda: b"CPU : AVX2 = 1 | ")
+    assert device.llama_backends() == ()
