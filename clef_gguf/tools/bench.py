@@ -12,6 +12,7 @@ import json
 import statistics
 
 from clef_gguf.argtypes import positive_int
+from clef_gguf.statecache import StateCache
 
 SENTENCE = ("Customer 4471 reports that the March invoice was charged twice and asks for a refund "
             "of the duplicate payment before the end of the week. ")
@@ -58,13 +59,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     add_model_arguments(p)
     p.add_argument("--tokens", type=positive_int, default=400, help="prompt size to aim for (default 400)")
-    p.add_argument("--repeat", type=positive_int, default=5, help="measured runs after one warm-up (default 5)")
+    p.add_argument("--repeat", type=positive_int, default=5,
+                   help="measured runs after one warm-up (default 5)")
+    p.add_argument("--versus", choices=["prefill", "reuse"],
+                   help="instead of the stage split, a side-by-side ratio (alternating rounds, "
+                        "median and spread): prefill = a decision vs a bare llama.cpp prefill of "
+                        "the same ids; reuse = 4 question sets about one --tokens state with the "
+                        "state cache vs 4 plain decisions")
+    p.add_argument("--rounds", type=positive_int, default=7,
+                   help="rounds for --versus (default 7)")
 
 
 def run(args: argparse.Namespace) -> int:
     from clef_gguf.cli_options import load_model
 
     with load_model(args) as clef:
+        if args.versus:
+            from clef_gguf.tools import versus
+
+            result = versus.versus_prefill(clef, sized_request(clef, args.tokens), args.rounds) \
+                if args.versus == "prefill" else versus.versus_reuse(clef, args.tokens, args.rounds)
+            result |= {"model": clef.info["name"], "threads": clef.tower.threads}
+            print(json.dumps(result, indent=2))
+            return 0
+        clef.state_cache = StateCache(0)  # the cost of a decision, not of a cache hit
         request = sized_request(clef, args.tokens)
         result = measure(clef, request, args.repeat)
         if result["tokens"] > args.tokens:  # say so rather than silently measure something else

@@ -18,3 +18,16 @@ def test_bench_refuses_nonsense(tiny_model_dir):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2  # argparse refuses it before any model loads, naming the flag
     assert "--repeat" in proc.stderr and "at least 1" in proc.stderr
+
+
+def test_bench_versus_reports_ratios(tiny_model_dir):
+    """The side-by-side benchmarks as a smoke test: they run and report; no timing is asserted."""
+    for mode in ("prefill", "reuse"):
+        proc = subprocess.run(["clef-gguf", "bench", "--model", str(tiny_model_dir), "--versus", mode,
+                               "--rounds", "2", "--tokens", "300"], capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        out = json.loads(proc.stdout)
+        assert out["versus"] == mode and out["rounds"] == 2
+        assert out["ratio_min"] <= out["ratio_median"] <= out["ratio_max"]
+        assert out["a_ms_median"] > 0 and out["b_ms_median"] > 0

@@ -1,0 +1,120 @@
+"""Side-by-side ratios for ``clef-gguf bench --versus``: A and B alternate within each round (ABAB,
+then BABA), several rounds, and the report is the median of the per-round ratios A/B with their
+spread, so a noisy machine moves both sides alike. Never a timed assertion: numbers to read.
+
+- ``prefill``: a whole decision (plain path, no cache) vs a bare llama.cpp prefill of the same
+  token ids (lm_head for the last token only, same threads, same n_batch): the physical floor.
+- ``reuse``: four question sets about one state with the state cache vs four plain decisions.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import statistics
+import time
+from collections.abc import Callable
+
+import llama_cpp as ll
+import numpy as np
+
+from clef_gguf.statecache import StateCache
+from clef_gguf.tools.bench import QUESTIONS, SENTENCE
+
+REUSE_SETS = [
+    {"refund": QUESTIONS["refund"]},
+    {"team": QUESTIONS["team"]},
+    {"urgency": QUESTIONS["urgency"]},
+    {"refund": QUESTIONS["refund"], "urgency": QUESTIONS["urgency"]},
+]
+
+
+class BarePrefill:
+    """A plain llama.cpp context: logits for the last token of each chunk, nothing else."""
+
+    def __init__(self, path: str, n_ctx: int, n_batch: int, threads: int):
+        mparams = ll.llama_model_default_params()
+        mparams.n_gpu_layers = 0
+        self.model = ll.llama_model_load_from_file(str(path).encode(), mparams)
+        cparams = ll.llama_context_default_params()
+        cparams.n_ctx, cparams.n_batch, cparams.n_ubatch = n_ctx, n_batch, n_batch
+        cparams.n_seq_max = 1
+        cparams.n_threads = cparams.n_threads_batch = threads
+        self.ctx = ll.llama_init_from_model(self.model, cparams)
+        self.n_batch = n_batch
+
+    def __call__(self, ids: np.ndarray) -> None:
+        ll.llama_memory_clear(ll.llama_get_memory(self.ctx), True)
+        for start in range(0, len(ids), self.n_batch):
+            chunk = np.ascontiguousarray(ids[start:start + self.n_batch], dtype=np.int32)
+            batch = ll.llama_batch_get_one(chunk.ctypes.data_as(ctypes.POINTER(ll.llama_token)),
+                                           len(chunk))
+            if ll.llama_decode(self.ctx, batch) != 0:
+                raise RuntimeError("llama_decode failed")
+
+    def close(self) -> None:
+        ll.llama_free(self.ctx)
+        ll.llama_model_free(self.model)
+
+
+def alternate(a: Callable[[], object], b: Callable[[], object], rounds: int) -> dict:
+    """Median A/B over ``rounds`` (order flipped every round), with min/max and medians in ms."""
+    ratios, ta, tb = [], [], []
+    for r in range(rounds):
+        order = (("a", a), ("b", b)) if r % 2 == 0 else (("b", b), ("a", a))
+        times = {}
+        for name, fn in order:
+            start = time.perf_counter()
+            fn()
+            times[name] = time.perf_counter() - start
+        ta.append(times["a"])
+        tb.append(times["b"])
+        ratios.append(times["a"] / times["b"])
+    return {"rounds": rounds, "ratio_median": round(statistics.median(ratios), 3),
+            "ratio_min": round(min(ratios), 3), "ratio_max": round(max(ratios), 3),
+            "a_ms_median": round(statistics.median(ta) * 1e3, 2),
+            "b_ms_median": round(statistics.median(tb) * 1e3, 2)}
+
+
+def versus_prefill(clef, request: dict, rounds: int) -> dict:
+    plain = StateCache(0)
+    ids = clef.prepare(request).encoded.ids
+    bare = BarePrefill(clef.files.tower, clef.tower.n_ctx, clef.tower._ctx.n_batch,
+                       clef.tower.threads)
+    try:
+        bare(ids)  # warm-up both: page in the mmap
+        clef.state_cache, saved = plain, clef.state_cache
+        clef.decide(request)
+        result = alternate(lambda: clef.decide(request), lambda: bare(ids), rounds)
+        clef.state_cache = saved
+    finally:
+        bare.close()
+    return {"versus": "prefill", "tokens": int(len(ids)),
+            "a": "clef-gguf decide (no cache)", "b": "bare llama.cpp prefill", **result}
+
+
+def versus_reuse(clef, state_tokens: int, rounds: int) -> dict:
+    per = max(1, len(clef.encoder.tokenizer.encode(SENTENCE, add_special_tokens=False).ids))
+    state = SENTENCE * max(1, state_tokens // per)
+    requests = [{"state": state, "questions": q} for q in REUSE_SETS]
+    cached, plain = StateCache(clef.state_cache.max_bytes or StateCache().max_bytes), StateCache(0)
+
+    def with_cache():
+        cached.clear()  # each round starts cold: the state is decoded once, then restored
+        clef.state_cache = cached
+        for r in requests:
+            clef.decide(r)
+
+    def without_cache():
+        clef.state_cache = plain
+        for r in requests:
+            clef.decide(r)
+
+    saved = clef.state_cache
+    try:
+        without_cache()  # warm-up
+        result = alternate(with_cache, without_cache, rounds)
+    finally:
+        clef.state_cache = saved
+    tokens = clef.prepare(requests[0]).encoded.state_tokens
+    return {"versus": "reuse", "state_tokens": tokens, "question_sets": len(requests),
+            "a": "4 question sets, state cache", "b": "4 plain decisions", **result}
