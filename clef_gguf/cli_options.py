@@ -25,6 +25,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer", help="tokenizer.json path")
     g.add_argument("--threads", type=positive_int, default=None,
                    help="CPU threads for the tower (default: all cores available to this process)")
+    g.add_argument("--head-threads", type=positive_int, default=None,
+                   help="torch threads for the head (default: as many as the tower; the head runs "
+                        "after the tower on the same cores)")
     g.add_argument("--gpu-layers", type=gpu_layers, default="auto",
                    help="tower layers on the GPU: auto (default: all when this llama-cpp-python "
                         "build has a GPU backend and the model fits, as `clef-gguf pick` says; "
@@ -52,7 +55,7 @@ def load_model(args: argparse.Namespace):
                      tokenizer=args.tokenizer, threads=args.threads, max_length=args.max_length,
                      precision=args.precision, allow_download=not args.offline,
                      strict=args.strict, state_cache_mb=args.state_cache_mb,
-                     gpu_layers=args.gpu_layers)
+                     gpu_layers=args.gpu_layers, head_threads=args.head_threads)
 
 
 def read_request(source: str):

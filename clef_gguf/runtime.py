@@ -128,7 +128,7 @@ class Clef:
              max_length: int = DEFAULT_MAX_LENGTH, precision: str = "fp32",
              allow_download: bool = False, strict: bool = False,
              state_cache_mb: float = statecache.DEFAULT_MB,
-             gpu_layers: int | str = "auto") -> Clef:
+             gpu_layers: int | str = "auto", head_threads: int | None = None) -> Clef:
         if precision not in PRECISIONS:
             raise errors.InvalidValue(f"precision must be one of {', '.join(PRECISIONS)}",
                                       field="precision")
@@ -156,6 +156,13 @@ class Clef:
                 f"{lexical.vocab_size}: they are not from the same release", field="tokenizer")
         layers = _gpu_layers(gpu_layers, found.tower, lexical.hidden_size, max_length)
         tower = Tower.load(found.tower, n_ctx=max_length, threads=threads, gpu_layers=layers)
+        if head_threads is not None and (not isinstance(head_threads, int) or head_threads < 1):
+            tower.close()
+            raise errors.InvalidValue(f"head_threads must be a whole number >= 1 (got "
+                                      f"{head_threads!r})", field="head_threads")
+        # The head runs after the tower on the same cores: torch gets as many threads as the
+        # tower, not its default of every core (process-wide: torch has one intra-op pool).
+        torch.set_num_threads(head_threads or tower.threads)
         if tower.n_embd != lexical.hidden_size:
             tower.close()
             raise errors.CorruptModel(f"n_embd {tower.n_embd} != lm_head width "
@@ -168,7 +175,8 @@ class Clef:
                 | {found.tower.name: model_hash},
                 "backend": BACKEND, "precision": quant, "head_dtype": precision,
                 "max_length": max_length, "n_embd": tower.n_embd, "lexical_rows": lexical.type.name,
-                "lm_head_avoided": tower.uses_nextn, "gpu_layers": tower.gpu_layers}
+                "lm_head_avoided": tower.uses_nextn, "gpu_layers": tower.gpu_layers,
+                "threads": tower.threads, "head_threads": torch.get_num_threads()}
         log.info("loaded %s (%s, n_embd %d) on %s, head scalars %s", found.tower.name, quant,
                  tower.n_embd, "the GPU" if tower.gpu_layers else "the CPU", head_scalars(joint))
         return cls(found, tower, lexical, joint, encoder, provenance, info, strict=strict,

@@ -233,3 +233,12 @@ def test_auto_gpu_layers_follow_the_device_policy(tiny_model_dir, monkeypatch):
     assert runtime._gpu_layers("auto", path, 64, 16384) == 0  # KV for 16k tokens does not fit
     monkeypatch.setattr(tower, "gpu_offload", lambda: False)
     assert runtime._gpu_layers("auto", path, 64, 16384) == 0
+
+
+def test_head_threads_default_to_the_towers(tiny_model_dir):
+    with Clef.load(tiny_model_dir, threads=1) as clef:
+        assert clef.info["head_threads"] == torch.get_num_threads() == 1
+    with Clef.load(tiny_model_dir, threads=1, head_threads=2) as clef:
+        assert clef.info["head_threads"] == 2
+    with pytest.raises(errors.InvalidValue):
+        Clef.load(tiny_model_dir, head_threads=0)
