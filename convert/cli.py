@@ -71,7 +71,8 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", help="output directory: the model goes here, the random HF release "
                    "into OUT/release")
     p.add_argument("--preset", choices=list(PRESETS), default="tiny",
-                   help="size of the random model (tiny: instant; medium: ~0.66B parameters, "
+                   help="size of the random model (tiny: instant; small: ~110M parameters, for "
+                        "benchmarks; medium: ~0.66B parameters, "
                         "~1.3 GB, for timing only)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     p.add_argument("--outtype", default="f32", metavar="TYPE",

@@ -57,6 +57,13 @@ PRESETS: dict[str, dict] = {
                     mrope=[3, 3, 2], rope_theta=10_000_000.0, max_pos=32768, shards=1,
                     head=dict(hidden_size=256, width=64, routing_layers=2, layers=2, heads=2,
                               feedforward=128)),
+    # ~120M parameters (hidden 512, 12 layers 3:1, a 65,536-token vocab): big enough that the
+    # tower dominates a decision as it does for Clef-Flash, small enough to build in seconds.
+    "small": dict(hidden=512, layers=12, interval=4, ffn=1536, heads=8, kv_heads=2, head_dim=128,
+                  lin_k_heads=4, lin_v_heads=8, lin_head_dim=64, bpe_vocab=512, vocab_size=65536,
+                  mrope=[6, 5, 5], rope_theta=10_000_000.0, max_pos=262144, shards=1,
+                  head=dict(hidden_size=512, width=128, routing_layers=2, layers=2, heads=4,
+                            feedforward=512)),
     # Qwen3.5-9B proportions at hidden 1024 (~0.66B parameters): 24 layers 3:1, ffn 3x, head_dim
     # 256 with partial rotary 64 and the real [11, 11, 10] sections, 8 value heads over 4 key heads.
     # Only for timing measurements: building it writes ~1.3 GB.
