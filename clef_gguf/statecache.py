@@ -21,7 +21,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # numpy is only handled here, never needed to import this module
     import numpy as np
 
-DEFAULT_MB = 512  # about ten 2,000-token states of the 9B (~100 MB each with its hidden states)
+# About three 2,000-token states of the 9B (~150 MB each: 64 MB of KV cells, 50 MB of recurrent
+# state, 32 MB of hidden states), or hundreds of short ones.
+DEFAULT_MB = 512
 
 
 @dataclass(frozen=True)
