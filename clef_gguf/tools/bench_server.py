@@ -29,7 +29,7 @@ from pathlib import Path
 
 import httpx
 
-from clef_gguf.argtypes import positive_int
+from clef_gguf.argtypes import megabytes, positive_int
 from clef_gguf.errors import ClefError
 
 DISTINCT = 16
@@ -111,6 +111,8 @@ def start_server(args, log_path: Path) -> tuple[subprocess.Popen, str]:
            "--max-length", str(args.max_length)]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
+    if args.state_cache_mb is not None:
+        cmd += ["--state-cache-mb", str(args.state_cache_mb)]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -136,6 +138,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=positive_int, default=96, help="requests per level (default 96)")
     p.add_argument("--threads", type=positive_int, default=None, help="tower threads of the server")
     p.add_argument("--max-length", type=positive_int, default=2048)
+    p.add_argument("--state-cache-mb", type=megabytes, default=None,
+                   help="the started server's state cache (default: serve's). The bodies repeat "
+                        f"({DISTINCT} distinct), so with a cache every measured request is a "
+                        "repeat the server answers without the tower; 0 measures full decisions")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
