@@ -26,6 +26,12 @@ QUESTIONS = {
 }
 
 
+# Four question sets about one state, for --versus reuse.
+REUSE_SETS = [{"refund": QUESTIONS["refund"]}, {"team": QUESTIONS["team"]},
+              {"urgency": QUESTIONS["urgency"]},
+              {"refund": QUESTIONS["refund"], "urgency": QUESTIONS["urgency"]}]
+
+
 def sized_request(clef, tokens: int) -> dict:
     """A request whose prompt is as close to ``tokens`` as whole sentences allow (not over).
 
@@ -77,8 +83,11 @@ def run(args: argparse.Namespace) -> int:
         if args.versus:
             from clef_gguf.tools import versus
 
-            result = versus.versus_prefill(clef, sized_request(clef, args.tokens), args.rounds) \
-                if args.versus == "prefill" else versus.versus_reuse(clef, args.tokens, args.rounds)
+            if args.versus == "prefill":
+                result = versus.versus_prefill(clef, sized_request(clef, args.tokens), args.rounds)
+            else:
+                state = sized_request(clef, args.tokens)["state"]
+                result = versus.versus_reuse(clef, state, REUSE_SETS, args.rounds)
             result |= {"model": clef.info["name"], "threads": clef.tower.threads}
             print(json.dumps(result, indent=2))
             return 0

@@ -19,15 +19,6 @@ import numpy as np
 
 from clef_gguf.statecache import StateCache
 from clef_gguf.tower import _extra_buffer_types
-from clef_gguf.tools.bench import QUESTIONS, SENTENCE
-
-REUSE_SETS = [
-    {"refund": QUESTIONS["refund"]},
-    {"team": QUESTIONS["team"]},
-    {"urgency": QUESTIONS["urgency"]},
-    {"refund": QUESTIONS["refund"], "urgency": QUESTIONS["urgency"]},
-]
-
 
 class BarePrefill:
     """A plain llama.cpp context: logits for the last token of each chunk, nothing else."""
@@ -94,10 +85,8 @@ def versus_prefill(clef, request: dict, rounds: int) -> dict:
             "a": "clef-gguf decide (no cache)", "b": "bare llama.cpp prefill", **result}
 
 
-def versus_reuse(clef, state_tokens: int, rounds: int) -> dict:
-    per = max(1, len(clef.encoder.tokenizer.encode(SENTENCE, add_special_tokens=False).ids))
-    state = SENTENCE * max(1, state_tokens // per)
-    requests = [{"state": state, "questions": q} for q in REUSE_SETS]
+def versus_reuse(clef, state: str, question_sets: list[dict], rounds: int) -> dict:
+    requests = [{"state": state, "questions": q} for q in question_sets]
     cached, plain = StateCache(clef.state_cache.max_bytes or StateCache().max_bytes), StateCache(0)
 
     def with_cache():
@@ -119,4 +108,5 @@ def versus_reuse(clef, state_tokens: int, rounds: int) -> dict:
         clef.state_cache = saved
     tokens = clef.prepare(requests[0]).encoded.state_tokens
     return {"versus": "reuse", "state_tokens": tokens, "question_sets": len(requests),
-            "a": "4 question sets, state cache", "b": "4 plain decisions", **result}
+            "a": f"{len(requests)} question sets, state cache",
+            "b": f"{len(requests)} plain decisions", **result}

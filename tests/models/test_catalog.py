@@ -134,3 +134,60 @@ def test_catalog_env_override_and_helpers(tmp_path, monkeypatch):
     path.write_text("{not json")
     with pytest.raises(ModelNotFound, match="cannot read model catalog"):
         Catalog.load(path)
+
+
+# The seed card (community GGUF set, language tower only): file name -> size in GB as printed.
+SEED_REPO = "NANI-Nithin/clef-flash-GGUF"
+SEED_CARD = {
+    "clef-flash-BF16.gguf": 16.69, "clef-flash-Q8_0.gguf": 8.87, "clef-flash-Q6_K.gguf": 6.85,
+    "clef-flash-Q5_1.gguf": 6.33, "clef-flash-Q5_K_M.gguf": 6.02, "clef-flash-Q5_K_S.gguf": 5.87,
+    "clef-flash-Q5_0.gguf": 5.87, "clef-flash-Q4_K_M.gguf": 5.24, "clef-flash-Q4_1.gguf": 5.41,
+    "clef-flash-IQ4_NL.gguf": 5.05, "clef-flash-Q4_K_S.gguf": 4.98, "clef-flash-Q4_0.gguf": 4.95,
+    "clef-flash-IQ4_XS.gguf": 4.84, "clef-flash-Q3_K_L.gguf": 4.59, "clef-flash-Q3_K_M.gguf": 4.31,
+    "clef-flash-IQ3_M.gguf": 4.11, "clef-flash-IQ3_S.gguf": 4.07, "clef-flash-Q3_K_S.gguf": 3.97,
+    "clef-flash-IQ3_XS.gguf": 3.95, "clef-flash-IQ3_XXS.gguf": 3.67, "clef-flash-Q2_K.gguf": 3.56,
+    "clef-flash-Q2_K_S.gguf": 3.44, "clef-flash-IQ2_M.gguf": 3.36, "clef-flash-IQ2_S.gguf": 3.19,
+    "clef-flash-Q2_0.gguf": 3.14, "clef-flash-IQ2_XS.gguf": 3.06, "clef-flash-IQ2_XXS.gguf": 2.89,
+    "clef-flash-IQ1_M.gguf": 2.68, "clef-flash-IQ1_S.gguf": 2.55, "clef-flash-Q1_0.gguf": 1.83,
+}
+
+
+def test_every_seed_file_is_in_the_catalog_and_resolvable_by_name(cat):
+    flash = cat.family("clef-flash")
+    src = flash.source("nani-nithin")
+    assert (src.repo, src.role, src.revision) == (SEED_REPO, "tower", None)  # pinned at first pull
+    assert {e.file: e.size_gb for e in src.files.values()} == SEED_CARD
+    assert sorted(src.quants) == sorted(PUBLISHED_30)
+    for quant in PUBLISHED_30:
+        ref = cat.parse(f"clef-flash:{quant.lower()}@NANI-Nithin")
+        assert ref == ModelRef("clef-flash", quant, "nani-nithin")
+        picked = flash.tower_source(ref.quant, ref.source)
+        assert picked is src and picked.entry(quant).file == f"clef-flash-{quant}.gguf"
+        assert picked.entry(quant).sha256 is None  # the card publishes none: the first pull pins it
+        size, basis = flash.tower_size(quant, "nani-nithin")
+        assert basis == "card" and size == round(SEED_CARD[f"clef-flash-{quant}.gguf"] * 1e9)
+
+
+def test_list_available_shows_every_seed_file(monkeypatch, tmp_path, capsys):
+    import argparse
+
+    from clef_gguf.models import hub
+
+    monkeypatch.delenv(CATALOG_ENV, raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # no pins yet
+    parser = argparse.ArgumentParser()
+    hub.add_list_arguments(parser)
+    assert hub.run_list(parser.parse_args(["--available", "--json"])) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    for quant in PUBLISHED_30:
+        row = rows[f"clef-flash:{quant}@nani-nithin"]
+        assert (row["repo"], row["role"], row["size_basis"]) == (SEED_REPO, "tower", "card")
+        assert (row["revision"], row["pinned_by"]) == (None, None)
+    # the plain name keeps preferring the pinned, hashed repo where both have the quant
+    assert rows["clef-flash:Q4_K_M@bartowski"]["default"]
+    assert not rows["clef-flash:Q4_K_M@nani-nithin"]["default"]
+    assert rows["clef-flash:IQ1_S@nani-nithin"]["default"]
+    assert rows["clef-flash:Q4_K_M@ggml-org"]["role"] == "native"
+    assert hub.run_list(parser.parse_args(["--available"])) == 0
+    text = capsys.readouterr().out
+    assert sum(f"clef-flash:{q}@nani-nithin " in text for q in PUBLISHED_30) == 30

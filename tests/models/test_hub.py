@@ -12,7 +12,7 @@ import pytest
 from _fakehub import FakeHub, sha256
 from clef_gguf.models import hub
 from clef_gguf.models.device import GiB, DeviceProfile, NoQuantFits
-from clef_gguf.errors import CorruptModel, ModelNotFound
+from clef_gguf.errors import ConversionError, CorruptModel, ModelNotFound
 from clef_gguf.models.catalog import CATALOG_ENV, Catalog
 
 TOWER_REPO, HEAD_REPO, LOOSE_REPO, NATIVE_REPO = (
@@ -202,13 +202,14 @@ def test_unknown_names_list_what_exists(cat):
         hub.pull("clef-flash:Q8_0@loose", catalog=cat)
 
 
-def test_unpinned_source_finds_its_file_in_the_listing_and_records_the_commit(fake_hub, cat, monkeypatch):
+def test_unpinned_source_finds_its_file_in_the_listing_and_pins_it(fake_hub, cat, monkeypatch):
     files = hub.pull("clef-flash:IQ2_XS", catalog=cat, progress=False)
     assert files.tower.name == "clef-flash-IQ2_XS.gguf" and files.tower.read_bytes() == IQ2
     assert files.revision.startswith(f"{LOOSE_REPO}@{LOOSE_REV}")
     assert files.name == "clef-flash:IQ2_XS@loose"
     [m] = [m for m in hub.list_local(catalog=cat) if m.source == "loose"]
-    assert (m.quant, m.pinned, m.source_pinned, m.verified) == ("IQ2_XS", False, False, True)
+    assert (m.quant, m.pinned, m.source_pinned, m.pinned_by, m.verified) == (
+        "IQ2_XS", True, True, "first pull", True)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # offline, the file is found again from refs/main
     assert hub.resolve("clef-flash:IQ2_XS", catalog=cat).tower == files.tower
 
@@ -230,15 +231,32 @@ def test_resolve_auto_prefers_a_cached_quant_that_fits(fake_hub, cat):
                        progress=False).name == "clef-flash:Q4_K_M@testsrc"
 
 
+def test_resolve_auto_uses_a_quant_cached_from_a_non_default_source_from_that_source(fake_hub):
+    data = catalog_dict()
+    data["sources"]["loose"]["files"]["Q4_K_M"] = {"file": None, "size_gb": 5.84}
+    cat = Catalog.from_dict(data)
+    fake_hub.repos[LOOSE_REPO].commits[LOOSE_REV]["clef-flash-Q4_K_M.gguf"] = Q4
+    pulled = hub.pull("clef-flash:Q4_K_M@loose", catalog=cat, progress=False)
+    before = len(fake_hub.requests)
+    # testsrc is the default source of Q4_K_M, but only loose's copy is cached
+    files = hub.resolve("clef-flash:auto", catalog=cat, profile=SMALL)
+    assert files.name == "clef-flash:Q4_K_M@loose" and files.tower == pulled.tower
+    assert len(fake_hub.requests) == before
+
+
 def test_resolve_auto_with_nothing_cached_says_what_to_pull(fake_hub, cat):
     with pytest.raises(ModelNotFound, match=r"clef-gguf pull clef-flash:Q8_0"):
         hub.resolve("clef-flash", catalog=cat, profile=BIG)
 
 
-def test_native_clef_gguf_is_not_handed_to_the_runtime(fake_hub, cat):
-    with pytest.raises(ModelNotFound, match="convert split"):
-        hub.pull("clef-flash:Q4_K_M@native", catalog=cat)
-    path = hub.pull_file("clef-flash:Q4_K_M@native", catalog=cat, progress=False)
+def test_a_native_file_that_cannot_be_split_is_refused_and_leaves_nothing(fake_hub, cat, tmp_path):
+    # NATIVE is GGUF magic + noise: the split refuses it, and no model directory is left behind.
+    # (tests/models/test_hub_native.py pulls a real native GGUF and decides with it.)
+    with pytest.raises(ConversionError, match="cannot split the native GGUF"):
+        hub.pull("clef-flash:Q4_K_M@native", catalog=cat, progress=False)
+    split = tmp_path / "hf" / "clef-gguf" / "split" / f"test-org--Native-GGUF@{NATIVE_REV}"
+    assert not (split / "Q4_K_M").exists() and not [p for p in split.iterdir() if p.is_dir()]
+    path = hub.pull_file("clef-flash:Q4_K_M@native", catalog=cat, progress=False)  # as it is
     assert path.read_bytes() == NATIVE and path.parent.name == NATIVE_REV
 
 
@@ -259,7 +277,8 @@ def test_cli_pull_and_list(fake_hub, tmp_path, monkeypatch, capsys):
     assert "no pinned revision" in capsys.readouterr().err
     assert hub.run_list(list_parser.parse_args([])) == 0
     text = capsys.readouterr().out
-    assert "clef-flash:Q4_K_M@testsrc" in text and "ready, verified" in text and "unpinned source" in text
+    assert "clef-flash:Q4_K_M@testsrc" in text and "ready, verified" in text
+    assert "pinned at first pull" in text
     assert hub.run_list(list_parser.parse_args(["--json"])) == 0
     assert {m["quant"] for m in json.loads(capsys.readouterr().out)} == {"Q4_K_M", "IQ2_XS"}
     assert hub.run_list(list_parser.parse_args(["--available"])) == 0
