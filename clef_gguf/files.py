@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePath
 
 from clef_gguf.errors import CorruptModel, ModelNotFound
 
@@ -63,7 +63,11 @@ class ModelFiles:
 
     def check_exist(self) -> None:
         for role, path in self.paths().items():
-            if not path.is_file():
+            try:
+                found = path.is_file()
+            except OSError:  # a name too long for the file system: no such file either
+                found = False
+            if not found:
                 raise ModelNotFound(f"{role} file not found: {path}", field=role)
 
 
@@ -89,17 +93,48 @@ def write_manifest(directory: Path, name: str, outtype: str, roles: dict[str, st
     return out
 
 
+def _inside(name: object) -> bool:
+    """A file name that stays in the model directory: relative, no ``..``, not empty, no NUL."""
+    if not isinstance(name, str) or "\x00" in name:
+        return False
+    parts = PurePath(name).parts
+    return bool(parts) and not PurePath(name).is_absolute() and ".." not in parts
+
+
+def _file_entry(entry: object) -> bool:
+    return (isinstance(entry, dict) and isinstance(entry.get("sha256"), str)
+            and len(entry["sha256"]) == 64 and all(c in "0123456789abcdef" for c in entry["sha256"])
+            and type(entry.get("size")) is int and entry["size"] >= 0)
+
+
 def read_manifest(directory: Path) -> dict:
+    """The manifest, checked: a malformed one is a CorruptModel (field "manifest"), and so is a
+    file name reaching outside the directory (a copied or downloaded manifest could point at
+    any file on the machine)."""
     path = directory / MANIFEST
+
+    def bad(why: str) -> CorruptModel:
+        return CorruptModel(f"{path} {why}", field="manifest")
+
     try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise CorruptModel(f"{path} is not valid JSON: {exc}") from None
+        manifest = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: not JSON, or not UTF-8
+        raise bad(f"is not valid JSON: {exc}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
-        raise CorruptModel(f"{path} is not a {MANIFEST_FORMAT} manifest")
+        raise bad(f"is not a {MANIFEST_FORMAT} manifest")
     missing = [role for role in ROLES if not isinstance(manifest.get(role), str)]
     if missing:
-        raise CorruptModel(f"{path} does not name the {', '.join(missing)} file(s)")
+        raise bad(f"does not name the {', '.join(missing)} file(s)")
+    listed = manifest.get("files", {})
+    if not isinstance(listed, dict) or not all(map(_file_entry, listed.values())):
+        raise bad('has a "files" table that is not {name: {"sha256": hex digest, "size": bytes}}')
+    outside = [name for name in [manifest[role] for role in ROLES] + list(listed)
+               if not _inside(name)]
+    if outside:
+        raise bad(f"names files outside its directory: {', '.join(map(repr, outside[:3]))}")
+    if not isinstance(manifest.get("name", ""), str) \
+            or not isinstance(manifest.get("revision"), (str, type(None))):
+        raise bad("has a name or revision that is not text")
     return manifest
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import math
 import threading
 from pathlib import Path
 
@@ -31,9 +32,59 @@ def open_gguf(path: str | Path) -> gguf.GGUFReader:
         raise ModelNotFound(f"GGUF file not found: {path}", field="tower")
     ensure_gguf_types()  # PyPI gguf lacks Q2_0: without this a Q2_0 file raises ValueError
     try:
-        return gguf.GGUFReader(path, "r")
+        reader = _Reader(path, "r")
+        _check_table(reader)
     except Exception as exc:  # gguf-py raises ValueError, struct.error, IndexError... on bad bytes
         raise CorruptModel(f"{path} is not a readable GGUF file ({exc})", field="tower") from None
+    return reader
+
+
+class _Reader(gguf.GGUFReader):
+    """gguf-py's reader, stopped at the first read past the end of the file. On its own it returns
+    short arrays there, and walks a damaged array length or entry count one item at a time (for
+    billions of steps on a large file)."""
+
+    def _get(self, offset, dtype, count=1, override_order=None):
+        arr = super()._get(offset, dtype, count, override_order)
+        if len(arr) != int(count):
+            raise ValueError(f"the file ends inside the field at offset {int(offset)}")
+        return arr
+
+    def _get_field_parts(self, orig_offs, raw_type):
+        if raw_type == gguf.GGUFValueType.ARRAY:  # each item takes at least one byte
+            n = int(self._get(orig_offs + 4, np.uint64)[0])
+            if n > len(self.data) - orig_offs:
+                raise ValueError(f"an array of {n} items at offset {orig_offs} overruns the file")
+        return super()._get_field_parts(orig_offs, raw_type)
+
+    def _build_fields(self, offs, count):
+        if int(count) > len(self.data) // 13:  # a key/value entry takes at least 13 bytes
+            raise ValueError(f"{int(count)} metadata entries cannot fit in the file")
+        return super()._build_fields(offs, count)
+
+    def _build_tensor_info(self, offs, count):
+        if int(count) > len(self.data) // 24:  # a tensor entry takes at least 24 bytes
+            raise ValueError(f"{int(count)} tensor entries cannot fit in the file")
+        return super()._build_tensor_info(offs, count)
+
+
+def _check_table(reader: gguf.GGUFReader) -> None:
+    """What gguf-py lets through and llama.cpp may abort on: text metadata that is not UTF-8, and
+    tensors that are not 1-4-D, have an empty dimension or more elements than int64 counts (gguf-py
+    multiplies the dims in wrapping uint64), split a block, or whose data is misaligned or lies
+    outside the file."""
+    for f in reader.fields.values():
+        if f.types == [gguf.GGUFValueType.STRING]:
+            bytes(f.parts[-1]).decode("utf-8")
+    for t in reader.tensors:
+        dims = [int(d) for d in t.shape]
+        block, type_size = gguf.GGML_QUANT_SIZES[t.tensor_type]
+        if not 1 <= len(dims) <= 4 or min(dims) < 1 or math.prod(dims) >= 2**63 or dims[0] % block:
+            raise ValueError(f"tensor {t.name} has an impossible {t.tensor_type.name} shape {dims}")
+        end = t.data_offset + math.prod(dims) // block * type_size
+        if (t.data_offset - reader.data_offset) % reader.alignment or end > len(reader.data):
+            raise ValueError(f"tensor {t.name}'s data (offset {t.data_offset}, ending at {end}) is "
+                             f"misaligned or past the end of the file ({len(reader.data)} bytes)")
 
 
 def field_value(reader: gguf.GGUFReader, key: str, default=None):
@@ -168,6 +219,9 @@ class LexicalRows:
         if tensor is None:
             raise CorruptModel(f"{reader.data.filename if hasattr(reader.data, 'filename') else 'GGUF'}"
                                f" has neither {OUTPUT} nor {TIED}", field="tower")
+        if len(tensor.shape) != 2:  # rows of hidden_size values, one per token
+            raise CorruptModel(f"{tensor.name} has shape {[int(d) for d in tensor.shape]}, "
+                               "not [hidden, vocab]", field="tower")
         self.tensor_name = tensor.name
         self.type = gguf.GGMLQuantizationType(tensor.tensor_type)
         self.hidden_size, self.vocab_size = (int(x) for x in tensor.shape[:2])  # ggml order

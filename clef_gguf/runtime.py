@@ -22,7 +22,7 @@ from clef_gguf.heads import head_scalars, load_head
 from clef_gguf.models.catalog import is_catalog_name
 from clef_gguf.lexical import LexicalRows, field_value, file_type_name, open_gguf
 from clef_gguf.request import Request, parse_request
-from clef_gguf.tower import Tower
+from clef_gguf.tower import Tower, check_header
 
 log = logging.getLogger("clef_gguf")
 
@@ -146,13 +146,17 @@ class Clef:
                 f"{found.tower.name} has architecture {arch!r}; clef-gguf runs {TOWER_ARCH!r} towers"
                 + (" (convert a native clef GGUF with `clef-gguf convert split`)" if arch == "clef"
                    else ""), field="tower")
+        check_header(reader, found.tower)  # llama.cpp aborts on some bad hyperparameters
         lexical = LexicalRows(reader)
         joint = load_head(found.head_config, found.head_weights, hidden_size=lexical.hidden_size,
                           dtype=PRECISIONS[precision])
         encoder = Encoder.from_file(found.tokenizer, max_length)
-        if encoder.vocab_size > lexical.vocab_size:
+        # The largest id as well as the count: a damaged tokenizer.json can hold ids past its size.
+        ids = encoder.tokenizer.get_vocab(with_added_tokens=True).values()
+        n_ids = max(encoder.vocab_size, max(ids, default=0) + 1)
+        if n_ids > lexical.vocab_size:
             raise errors.HeadMismatch(
-                f"the tokenizer has {encoder.vocab_size} tokens but the GGUF vocab has only "
+                f"the tokenizer has {n_ids} token ids but the GGUF vocab has only "
                 f"{lexical.vocab_size}: they are not from the same release", field="tokenizer")
         layers = _gpu_layers(gpu_layers, found.tower, lexical.hidden_size, max_length)
         tower = Tower.load(found.tower, n_ctx=max_length, threads=threads, gpu_layers=layers)

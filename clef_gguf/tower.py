@@ -81,6 +81,62 @@ def _extra_buffer_types() -> bool:
     return b"AMX_INT8 = 1" not in ll.llama_print_system_info()
 
 
+# ---------------------------------------------------------------- header checks
+# qwen35 hyperparameters llama.cpp 0.3.36 reads but does not check against the tensors: a bad value
+# reaches a GGML_ASSERT (the process aborts) or a graph that never finishes. Its layer limit:
+LLAMA_MAX_LAYERS = 512
+_INT_TYPES = {"UINT8", "INT8", "UINT16", "INT16", "UINT32", "INT32", "UINT64", "INT64"}
+
+
+def check_header(reader, path: Path) -> None:
+    """Refuse (CorruptModel) a qwen35 GGUF, parsed by ``lexical.open_gguf``, that llama.cpp would
+    abort or hang on: block count, width, rotary dims, GDN inner size, norm epsilon or vocab."""
+
+    def refuse(why: str):
+        raise CorruptModel(f"{path} is a damaged qwen35 tower: {why}", field="tower")
+
+    def number(key: str, kinds: set[str] = _INT_TYPES, required: bool = True):
+        f = reader.fields.get(key)
+        if f is None and not required:  # llama.cpp has a default for it
+            return None
+        if f is None or len(f.types) != 1 or f.types[0].name not in kinds:
+            refuse(f"{key} is missing or not a {'whole ' if 'INT32' in kinds else ''}number")
+        return f.contents()
+
+    shapes = {t.name: [int(d) for d in t.shape] for t in reader.tensors}
+    n_layer = number("qwen35.block_count")
+    blocks = {int(n.split(".")[1]) for n in shapes if n.split(".")[0] == "blk"
+              and n.split(".")[1].isdigit()}
+    if not 1 <= n_layer <= LLAMA_MAX_LAYERS or blocks != set(range(n_layer)):
+        refuse(f"qwen35.block_count is {n_layer}, the tensors have {len(blocks)} blocks")
+    n_embd = number("qwen35.embedding_length")
+    if shapes.get("token_embd.weight", [None])[0] != n_embd:
+        refuse(f"qwen35.embedding_length {n_embd} is not token_embd.weight's width "
+               f"{shapes.get('token_embd.weight')}")
+    head = number("qwen35.attention.key_length", required=False)
+    n_rot = number("qwen35.rope.dimension_count", required=False)
+    n_rot = head if n_rot is None else n_rot  # llama.cpp's default
+    if n_rot is not None and (n_rot < 2 or n_rot % 2 or (head is not None and n_rot > head)):
+        refuse(f"qwen35.rope.dimension_count {n_rot} is not an even count <= key_length {head}")
+    # Rotary pairs given to each of the (up to 4) position axes: at most the n_rot / 2 there are.
+    sections = reader.fields.get("qwen35.rope.dimension_sections")
+    if n_rot is not None and sections is not None and sections.types[-1].name in _INT_TYPES:
+        values = sections.contents()
+        values = [int(v) for v in values] if isinstance(values, list) else [int(values)]
+        if len(values) > 4 or min(values, default=0) < 0 or sum(values) > n_rot // 2:
+            refuse(f"qwen35.rope.dimension_sections {values} do not split {n_rot // 2} pairs")
+    inner = number("qwen35.ssm.inner_size")
+    wrong = [n for n, s in shapes.items() if n.endswith(".ssm_out.weight") and s[0] != inner]
+    if inner < 1 or wrong:
+        refuse(f"qwen35.ssm.inner_size {inner} is not the width of {wrong[:1] or 'ssm_out'}")
+    eps = number("qwen35.attention.layer_norm_rms_epsilon", {"FLOAT32", "FLOAT64"})
+    if not 0 < eps < 1:  # NaN fails too
+        refuse(f"qwen35.attention.layer_norm_rms_epsilon is {eps}")
+    tokens = reader.fields.get("tokenizer.ggml.tokens")  # llama.cpp asserts they are distinct
+    if tokens is not None and len({bytes(tokens.parts[i]) for i in tokens.data}) < len(tokens.data):
+        refuse("tokenizer.ggml.tokens holds the same token twice")
+
+
 class _Model:
     """Owns a ``llama_model*`` loaded with mmap, ``gpu_layers`` of it offloaded."""
 

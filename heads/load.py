@@ -28,6 +28,9 @@ OPTIONAL_KEYS = ("dropout",)
 SCALARS = ("prior_logit_scale", "joint_logit_scale", "residual_gate")
 # Float8 and integer tensors are not a head the reference could have saved.
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+# Far above any release head (Flash: 1024 wide, 2 + 4 layers), and low enough that building one
+# (~1 ms a layer, even on the meta device) and torch's size arithmetic stay bounded.
+MAX_SIZE, MAX_LAYERS = 1 << 20, 256
 # How many offending names an error message lists before "... and N more".
 SHOWN = 5
 
@@ -52,9 +55,12 @@ def check_config(config: object, source: str = HEAD_CONFIG) -> dict[str, int]:
         if isinstance(value, bool) or not isinstance(value, int):
             raise HeadMismatch(f"{source}: {key} must be an integer, got {value!r}", field="head_config")
         # Zero routing or decoder blocks is a degenerate but constructible head; zero sizes are not.
-        least = 0 if key in ("routing_layers", "layers") else 1
+        least, most = (0, MAX_LAYERS) if key in ("routing_layers", "layers") else (1, MAX_SIZE)
         if value < least:
             raise HeadMismatch(f"{source}: {key} must be >= {least}, got {value}", field="head_config")
+        if value > most:
+            raise HeadMismatch(f"{source}: {key} must be <= {most}, got {value}",
+                               field="head_config")
         sizes[key] = value
     dropout = config.get("dropout", 0.0)
     if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
@@ -73,7 +79,7 @@ def read_head_config(path: str | Path) -> dict[str, int]:
         raise ModelNotFound(f"head config not found: {path}", field="head_config")
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+    except (OSError, ValueError, RecursionError) as error:  # ValueError: not UTF-8 or not JSON
         raise CorruptModel(f"cannot read head config {path}: {error}", field="head_config") from error
     return check_config(config, source=path.name)
 
