@@ -2,8 +2,8 @@
 
 - ``app``: the FastAPI application and the ``serve`` command;
 - ``state``: the model being served (loading in the background, health);
-- ``workqueue``: the bounded queue in front of the single model;
-- ``batch``: ``{"inputs": [...]}`` batch requests;
+- ``workqueue``: the bounded stages in front of the single model: tokenizer threads, then a queue;
+- ``batch``: batch requests (avrik-sdk's ``state: [{id, text}, ...]`` or ``requests: [...]``);
 - ``http``: request context, JSON bodies, auth and error responses;
 - ``schema``: the OpenAPI schema of the wire format.
 """

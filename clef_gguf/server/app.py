@@ -3,10 +3,12 @@
 Endpoints: ``POST /v1/systemone`` (one request; also takes avrik-sdk's batch shape),
 ``POST /v1/systemone/batch``, ``GET /v1/models``, ``GET /health``, ``GET /openapi.json``.
 
-Flow of a request: read the body (size-capped) -> ``Clef.prepare`` (validate + tokenize, in a
-thread; bad requests answer 422/413 at once) -> the bounded queue (429 when full) -> ``Clef.run``
-on the single worker thread -> the response. A client that disconnects while waiting has its job
-dropped (still queued) or its result discarded (already running).
+Flow of a request: a place in the prepare stage (429 when ``--queue-size`` requests already wait
+for the tokenizer) -> read the body (size-capped) -> ``Clef.prepare`` (validate + tokenize, on one
+of ``--tokenize-workers`` threads; bad requests answer 422/413 at once) -> the bounded queue (429
+when full) -> ``Clef.run`` on the single worker thread -> the response. A client that disconnects
+while waiting is not prepared (waiting for a tokenizer), has its job dropped (queued) or its
+result discarded (already running).
 
 Determinism: the body carries no timings and no request id, so the same request gets the same
 bytes back; the id is in ``X-Request-Id`` and the timings in ``Server-Timing``.
@@ -26,11 +28,13 @@ from typing import Any
 
 from clef_gguf.server import schema
 from clef_gguf.errors import ClefError, MissingField
-from clef_gguf.server.batch import BatchItem, batch_response, is_batch, parse_batch
-from clef_gguf.server.http import (ApiError, RequestContext, json_response, note, read_json,
-                                   wait_unless_gone)
+from clef_gguf.server.batch import (batch_response, compute_items, is_batch, parse_batch,
+                                    prepare_items)
+from clef_gguf.server.http import (ApiError, RequestContext, client_closed, internal_error,
+                                   json_response, note, read_json, wait_unless_gone)
 from clef_gguf.server.state import LOADING_RETRY_AFTER, Served, loader_for
-from clef_gguf.server.workqueue import InferenceQueue, Job, QueueFull, ShuttingDown
+from clef_gguf.server.workqueue import (Admission, ClientGone, InferenceQueue, Job,
+                                        PrepareStage, QueueFull, ShuttingDown)
 
 log = logging.getLogger("clef_gguf.server")
 
@@ -40,8 +44,13 @@ DEFAULT_QUEUE_SIZE = 64  # waiting requests: room for 32+ busy clients; past tha
 #                          letting latency grow without bound
 DEFAULT_MAX_BODY = 8 * 1024 * 1024  # a full 16k-token state is ~100 KB; batches need more
 DEFAULT_MAX_BATCH = 256
+# Tokenizing is CPU work next to the model's own threads: two keep a burst of small requests
+# moving without taking the cores a forward pass needs.
+DEFAULT_TOKENIZE_WORKERS = 2
 OPEN_PATHS = frozenset({"/health"})  # liveness probes work without the key; nothing secret there
-GRACEFUL_SHUTDOWN_S = 30
+# At SIGTERM, how long open requests may take to finish: one 16k-token pass of the 9B model on a
+# CPU takes minutes; cutting it short would throw that work away.
+DEFAULT_DRAIN_S = 300.0
 # At shutdown, how long to let a background load finish: leaving the interpreter while llama.cpp
 # or torch is mid-load in another thread aborts the process (seen: exit 134 on SIGTERM).
 LOAD_JOIN_S = 10
@@ -50,28 +59,34 @@ LOAD_JOIN_S = 10
 def create_app(model: Any, *, api_key: str | None = None,
                queue_size: int = DEFAULT_QUEUE_SIZE, max_body_bytes: int = DEFAULT_MAX_BODY,
                max_batch: int = DEFAULT_MAX_BATCH, load_kwargs: dict | None = None,
-               on_load_error: Callable[[ClefError], None] | None = None):
+               on_load_error: Callable[[ClefError], None] | None = None,
+               tokenize_workers: int = DEFAULT_TOKENIZE_WORKERS):
     """The ASGI app. ``model``: a loaded ``Clef`` (served as is, not closed at shutdown), a model
     directory / catalog name (loaded in the background with ``Clef.load(model, **load_kwargs)``),
-    or a zero-argument callable returning a ``Clef`` (also loaded in the background)."""
+    or a zero-argument callable returning a ``Clef`` (also loaded in the background).
+
+    ``queue_size`` bounds both waits: requests waiting for one of the ``tokenize_workers``
+    threads, and prepared requests waiting for the model."""
     from fastapi import FastAPI, Query, Request
     from fastapi.exceptions import RequestValidationError
-    from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException
 
     ready = hasattr(model, "prepare") and hasattr(model, "run")
     served = Served(model if ready else None,
                     None if ready else loader_for(model, load_kwargs or {}), on_load_error)
     queue = InferenceQueue(queue_size)
+    stage = PrepareStage(tokenize_workers, queue_size, retry_after=queue.retry_after)
 
     @asynccontextmanager
     async def lifespan(_app):
         await queue.start()
+        await stage.start()
         if served.clef is None:
             served.start_loading()
         try:
             yield
         finally:
+            await stage.stop()
             await queue.stop()  # after uvicorn drained the open requests
             served.close()  # a load still running closes its model itself when it ends
             if served.still_loading:
@@ -84,18 +99,17 @@ def create_app(model: Any, *, api_key: str | None = None,
     app = FastAPI(title="clef-gguf", version=__version__, lifespan=lifespan,
                   description="Clef decision models, SystemOne wire format (/v1/systemone).",
                   docs_url=None, redoc_url=None)  # the docs UIs load scripts from a CDN
-    app.state.served, app.state.queue = served, queue
+    app.state.served, app.state.queue, app.state.prepare_stage = served, queue, stage
 
     async def run_job(request: Request, fn: Callable[[Job], Any]) -> Any:
         """Queue ``fn`` on the worker and wait; None if the client left (job dropped)."""
         try:
             job = queue.submit(fn)
         except QueueFull as exc:
-            raise ApiError(429, "queue_full", f"{queue.maxsize} requests are already waiting; "
-                           "retry later", headers={"Retry-After": str(exc.retry_after)}) from None
+            raise _busy(f"{queue.maxsize} requests are already waiting for the model",
+                        exc.retry_after) from None
         except ShuttingDown:
-            raise ApiError(503, "shutting_down", "the server is shutting down",
-                           headers={"Retry-After": "1"}) from None
+            raise _shutting_down() from None
         try:
             answered = await wait_unless_gone(request, job.future)
         except asyncio.CancelledError:  # uvicorn gave up on this request: never leave it queued
@@ -109,96 +123,99 @@ def create_app(model: Any, *, api_key: str | None = None,
         try:
             return job.future.result()
         except ShuttingDown:
-            raise ApiError(503, "shutting_down", "the server is shutting down",
-                           headers={"Retry-After": "1"}) from None
-        except ClefError as exc:
+            raise _shutting_down() from None
+        except ClefError as exc:  # InferenceError (llama_decode failed) included: a 5xx body
+            log.error("inference failed: %s", exc)
             raise ApiError.from_clef(exc) from None
         except Exception as exc:
             log.exception("inference failed")
-            raise ApiError(500, "internal_error", f"{type(exc).__name__}: {exc}") from None
+            raise internal_error(exc) from None
 
-    async def prepare(clef: Any, body: Any) -> Any:
+    async def prepare(request: Request, admission: Admission, fn: Callable, *args: Any) -> Any:
         try:
-            # A thread: tokenizing a 16k-token state takes milliseconds of CPU, keep the loop free.
-            return await run_in_threadpool(clef.prepare, body)
+            return await stage.run(admission, fn, *args, gone=request.is_disconnected)
+        except ClientGone:
+            note(request, client_gone=True)
+            raise client_closed() from None
         except ClefError as exc:
             raise ApiError.from_clef(exc) from None
 
-    async def single(request: Request, clef: Any, body: Any):
-        prepared = await prepare(clef, body)
+    async def single(request: Request, clef: Any, body: Any, admission: Admission):
+        prepared = await prepare(request, admission, clef.prepare, body)
         note(request, tokens=getattr(getattr(prepared, "encoded", None), "n_tokens", None))
         result = await run_job(request, lambda _job: clef.run(prepared))
         if result is None:
-            return ApiError(499, "client_closed", "the client disconnected").response()
+            return client_closed().response()
         response, timings = result
         if response.get("model") is None:  # SystemOne clients may omit it; name what answered
             response["model"] = clef.info.get("name")
         timing = ", ".join(f"{k};dur={v}" for k, v in timings.items() if k != "tokens")
         return json_response(response, headers={"Server-Timing": timing})
 
-    async def batch(request: Request, clef: Any, body: Any):
+    async def batch(request: Request, clef: Any, body: Any, admission: Admission):
         items, model = parse_batch(body, max_batch)
-
-        def prep(items: list[BatchItem]) -> None:
-            for item in items:
-                if item.error is None:
-                    try:
-                        item.prepared = clef.prepare(item.request)
-                    except ClefError as exc:
-                        item.error = exc.to_dict()["error"]
-
-        await run_in_threadpool(prep, items)
+        await prepare(request, admission, prepare_items, clef, items)
         note(request, tokens=sum(getattr(getattr(i.prepared, "encoded", None), "n_tokens", 0)
                                  for i in items if i.prepared is not None))
-
-        def compute(job: Job) -> bool:
-            for item in items:
-                if job.abandoned:  # the client left mid-batch: stop spending the model on it
-                    return False
-                if item.prepared is not None:
-                    try:
-                        item.response = clef.run(item.prepared)[0]
-                    except ClefError as exc:  # one input's failure stays inside its result
-                        item.error = exc.to_dict()["error"]
-            return True
-
-        if any(i.prepared is not None for i in items):  # all refused: answer without queueing
-            if await run_job(request, compute) is None:
-                return ApiError(499, "client_closed", "the client disconnected").response()
+        # All refused: answered without queueing.
+        if any(i.prepared is not None for i in items) and await run_job(
+                request, lambda job: compute_items(clef, items, job)) is None:
+            return client_closed().response()
         return json_response(batch_response(items, model or clef.info.get("name"), clef))
 
     async def guarded(request: Request, handler: Callable) -> Any:
         """Every refusal becomes the API's error body (and is named in the log line)."""
+        admission = None
         try:
             clef = served.require()
+            try:
+                admission = stage.admit()
+            except QueueFull as exc:  # unread: uvicorn discards the rest of the body itself
+                raise _busy(f"{stage.max_waiting} requests are already waiting to be tokenized",
+                            exc.retry_after) from None
+            except ShuttingDown:
+                raise _shutting_down() from None
             body = await read_json(request, max_body_bytes)
-            return await handler(request, clef, body)
+            return await handler(request, clef, body, admission)
         except ApiError as exc:
             note(request, error=exc.code)
             return exc.response()
+        except asyncio.CancelledError:
+            # uvicorn cancels requests only when --drain-timeout ran out at shutdown: answer in
+            # the API's shape (it would send a bare-text 500) and let the task end normally.
+            asyncio.current_task().uncancel()
+            note(request, error="shutting_down")
+            return ApiError(503, "shutting_down", "the server stopped before this request was "
+                            "answered (--drain-timeout ran out)").response()
         except Exception as exc:  # a bug: still the API's body, the request id and a log line
             log.exception("request failed")
             note(request, error="internal_error")
-            return ApiError(500, "internal_error", f"{type(exc).__name__}: {exc}").response()
+            return internal_error(exc).response()
+        finally:
+            if admission is not None:
+                admission.release()  # refused before or while preparing
 
-    @app.post("/v1/systemone", openapi_extra=schema.body(schema.REQUEST),
-              responses={200: schema.json_content(schema.RESPONSE, "the answers"),
-                         **schema.errors(401, 413, 422, 429, 503)})
+    posted = schema.errors(400, 401, 413, 422, 429, 500, 503)
+
+    @app.post("/v1/systemone", openapi_extra=schema.body(schema.single_or_batch(max_batch)),
+              responses={200: schema.json_content(schema.ANSWER_OR_BATCH, "the answers (a "
+                                                  "batch's results for a batch body)",
+                                                  schema.REQUEST_ID), **posted})
     async def systemone(request: Request, batch_mode: bool | None = Query(
             None, alias="batch", description="force (true) or forbid (false) reading the body "
             "as a batch; by default avrik-sdk's batch shape (state: [{id, text}, ...]) and "
             "{requests: [...]} are batches")):
-        async def route(request: Request, clef: Any, body: Any):
+        async def route(request: Request, clef: Any, body: Any, admission: Admission):
             if batch_mode if batch_mode is not None else is_batch(body):
-                return await batch(request, clef, body)
-            return await single(request, clef, body)
+                return await batch(request, clef, body, admission)
+            return await single(request, clef, body, admission)
 
         return await guarded(request, route)
 
-    @app.post("/v1/systemone/batch", openapi_extra=schema.body(schema.BATCH_REQUEST),
+    @app.post("/v1/systemone/batch", openapi_extra=schema.body(schema.batch_request(max_batch)),
               responses={200: schema.json_content(schema.BATCH_RESPONSE, "results in input "
-                                                  "order; a refused input carries its error"),
-                         **schema.errors(401, 413, 422, 429, 503)})
+                                                  "order; a refused input carries its error",
+                                                  schema.REQUEST_ID), **posted})
     async def systemone_batch(request: Request):
         return await guarded(request, batch)
 
@@ -239,12 +256,22 @@ def create_app(model: Any, *, api_key: str | None = None,
                         ".".join(str(p) for p in first.get("loc", ()))).response()
 
     @app.exception_handler(Exception)
-    async def internal_error(_request, exc: Exception):
+    async def unhandled(_request, exc: Exception):
         log.error("unhandled error", exc_info=exc)
-        return ApiError(500, "internal_error", f"{type(exc).__name__}: {exc}").response()
+        return internal_error(exc).response()
 
     app.add_middleware(RequestContext, api_key=api_key, open_paths=OPEN_PATHS)
     return app
+
+
+def _shutting_down() -> ApiError:
+    return ApiError(503, "shutting_down", "the server is shutting down",
+                    headers={"Retry-After": "1"})
+
+
+def _busy(why: str, retry_after: int) -> ApiError:
+    return ApiError(429, "queue_full", f"{why}; retry later",
+                    headers={"Retry-After": str(retry_after)})
 
 
 def _tower_hash(clef: Any) -> str | None:
@@ -266,12 +293,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health "
                         "(default: $CLEF_GGUF_API_KEY; prefer the variable, argv is visible in ps)")
     g.add_argument("--queue-size", type=int, default=DEFAULT_QUEUE_SIZE,
-                   help=f"requests that may wait for the model; more get 429 + Retry-After "
+                   help=f"requests that may wait for the model, and as many again for a "
+                        f"tokenizer thread; more get 429 + Retry-After "
                         f"(default {DEFAULT_QUEUE_SIZE})")
+    g.add_argument("--tokenize-workers", type=int, default=DEFAULT_TOKENIZE_WORKERS,
+                   help=f"requests validated + tokenized at once, each in a thread of its own "
+                        f"(default {DEFAULT_TOKENIZE_WORKERS})")
+    g.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_S, metavar="SECONDS",
+                   help=f"at SIGTERM / Ctrl-C, how long open requests may take to finish before "
+                        f"they are cut off (default {DEFAULT_DRAIN_S:g}: one 16k-token pass of "
+                        f"a 9B model on a CPU)")
     g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY,
                    help=f"larger request bodies get 413 (default {DEFAULT_MAX_BODY})")
     g.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
                    help=f"inputs per batch request (default {DEFAULT_MAX_BATCH})")
+    g.add_argument("--engine", choices=("uvicorn", "ray-serve"), default="uvicorn",
+                   help="uvicorn (default): this process; ray-serve: --replicas Ray Serve "
+                        "replicas of this app, one model copy each, --threads threads each "
+                        "(Ray from $RAY_ADDRESS, else a private one; pip install 'clef-gguf[ray]')")
+    g.add_argument("--replicas", type=int, default=1,
+                   help="with --engine ray-serve: model replicas (default 1)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -285,10 +326,17 @@ def run(args: argparse.Namespace) -> int:
                            "its head files", field="model")
     for name in ("clef_gguf.server", "uvicorn.error"):  # the per-request lines and startup
         logging.getLogger(name).setLevel(logging.INFO)
-    if args.queue_size < 1 or args.max_body_bytes < 1 or args.max_batch < 1:
-        print("clef-gguf serve: --queue-size, --max-body-bytes and --max-batch must be >= 1",
-              file=sys.stderr)
+    if min(args.queue_size, args.max_body_bytes, args.max_batch, args.tokenize_workers) < 1:
+        print("clef-gguf serve: --queue-size, --max-body-bytes, --max-batch and "
+              "--tokenize-workers must be >= 1", file=sys.stderr)
         return 2
+    if not args.drain_timeout >= 0:  # also refuses nan
+        print("clef-gguf serve: --drain-timeout must be >= 0 seconds", file=sys.stderr)
+        return 2
+    if args.engine == "ray-serve":
+        from clef_gguf.bulk import serve_ray
+
+        return serve_ray.run(args, create_app)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         log.warning("listening on %s without --api-key: anyone who can reach this port can use "
                     "the model", args.host)
@@ -299,10 +347,10 @@ def run(args: argparse.Namespace) -> int:
 
     app = create_app(lambda: load_model(args), api_key=args.api_key, queue_size=args.queue_size,
                      max_body_bytes=args.max_body_bytes, max_batch=args.max_batch,
-                     on_load_error=load_failed)
+                     on_load_error=load_failed, tokenize_workers=args.tokenize_workers)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None,
                             access_log=False,  # our own line per request replaces it
-                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+                            timeout_graceful_shutdown=args.drain_timeout)
     server = holder["server"] = uvicorn.Server(config)
     # uvicorn re-raises the signal that stopped it once it has shut down; with the default
     # handlers that would turn a clean SIGTERM into "killed by signal". Record it instead.

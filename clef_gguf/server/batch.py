@@ -13,10 +13,14 @@ The answer is ``{"model", "results": [{"id", "answers"} | {"id", "error"}], "usa
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
-from clef_gguf.server.http import ApiError
+from clef_gguf.errors import ClefError
+from clef_gguf.server.http import ApiError, internal_error
+
+log = logging.getLogger("clef_gguf.server")
 
 AVRIK_KEYS = frozenset({"model", "state", "questions", "options", "calibration"})
 REQUESTS_KEYS = frozenset({"model", "requests"})
@@ -125,6 +129,39 @@ def parse_batch(body: Any, max_items: int) -> tuple[list[BatchItem], str | None]
     if model is not None and not isinstance(model, str):
         raise ApiError(422, "invalid_value", "'model' must be a string", "model")
     return [convert(i, entry, body) for i, entry in enumerate(entries)], model
+
+
+def _fail(item: BatchItem, exc: Exception, stage: str) -> None:
+    """One input's failure stays inside its result, whatever it is: a bug or a tower fault hit
+    by one input must not take the other inputs' answers with it."""
+    if isinstance(exc, ClefError):
+        item.error = exc.to_dict()["error"]
+        return
+    log.error("batch input %r failed in %s", item.id, stage, exc_info=exc)
+    item.error = internal_error(exc).body()["error"]
+
+
+def prepare_items(clef: Any, items: list[BatchItem]) -> None:
+    """Validate + tokenize every input not refused yet (runs in a tokenizer thread)."""
+    for item in items:
+        if item.error is None:
+            try:
+                item.prepared = clef.prepare(item.request)
+            except Exception as exc:  # noqa: BLE001 - reported in this input's result
+                _fail(item, exc, "prepare")
+
+
+def compute_items(clef: Any, items: list[BatchItem], job: Any) -> bool:
+    """Run every prepared input (on the worker thread); False if the client left mid-batch."""
+    for item in items:
+        if job.abandoned:  # stop spending the model on answers nobody will read
+            return False
+        if item.prepared is not None:
+            try:
+                item.response = clef.run(item.prepared)[0]
+            except Exception as exc:  # noqa: BLE001 - reported in this input's result
+                _fail(item, exc, "run")
+    return True
 
 
 def _base_audit(clef: Any) -> dict:

@@ -16,10 +16,11 @@ import time
 import uuid
 from typing import Any
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from clef_gguf.errors import ClefError
+from clef_gguf.request import parse_json
 
 log = logging.getLogger("clef_gguf.server")
 
@@ -64,10 +65,6 @@ def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = 
                     media_type="application/json")
 
 
-def _no_constants(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
 async def read_json(request: Request, max_bytes: int) -> Any:
     """The body decoded with Python ``json`` (int/float kept apart, key order kept: both reach the
     prompt). Refuses bodies over ``max_bytes`` by Content-Length before reading, and again while
@@ -80,22 +77,31 @@ async def read_json(request: Request, max_bytes: int) -> Any:
             raise ApiError(413, "body_too_large",
                            f"the body is {int(length)} bytes; the limit is {max_bytes}")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise ApiError(413, "body_too_large",
-                           f"the body exceeds the limit of {max_bytes} bytes")
-        chunks.append(chunk)
-    raw = b"".join(chunks)
-    if not raw.strip():
-        raise ApiError(422, "invalid_json", "the body is empty; send a JSON object")
     try:
-        # NaN/Infinity are Python extensions, not JSON: refuse them rather than render them.
-        return json.loads(raw.decode("utf-8"), parse_constant=_no_constants)
-    except UnicodeDecodeError:
-        raise ApiError(422, "invalid_json", "the body is not UTF-8") from None
-    except ValueError as exc:
-        raise ApiError(422, "invalid_json", f"the body is not valid JSON: {exc}") from None
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise ApiError(413, "body_too_large",
+                               f"the body exceeds the limit of {max_bytes} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone mid-body: nobody to answer, and no server fault to log
+        note(request, client_gone=True)
+        raise client_closed() from None
+    try:
+        return parse_json(b"".join(chunks))
+    except ClefError as exc:
+        raise ApiError.from_clef(exc) from None
+
+
+def internal_error(exc: BaseException) -> ApiError:
+    """A fault of ours, not the request's: 500 naming the exception (a local server, so the
+    message helps the one person who reads it more than it leaks)."""
+    return ApiError(500, "internal_error", f"{type(exc).__name__}: {exc}")
+
+
+def client_closed() -> ApiError:
+    """What a request whose client left answers: never sent, but logged as 499."""
+    return ApiError(CLIENT_CLOSED, "client_closed", "the client disconnected")
 
 
 async def until_disconnect(request: Request) -> None:

@@ -86,14 +86,6 @@ class Served:
                        headers={"Retry-After": LOADING_RETRY_AFTER})
 
 
-def _loader_for(model: Any, load_kwargs: dict) -> Callable[[], Any]:
-    if callable(model):
-        return model
-    from clef_gguf.runtime import Clef  # lazy: torch + llama.cpp only once a server starts
-
-    return lambda: Clef.load(model, **load_kwargs)
-
-
 def loader_for(model: Any, load_kwargs: dict) -> Callable[[], Any]:
     """A zero-argument loader: ``model`` itself if callable, else ``Clef.load(model, ...)``."""
     if callable(model):

@@ -8,6 +8,9 @@ clients back off (avrik-sdk retries on exactly that).
 
 The queue lives on the event loop (``asyncio.Queue``); a dispatcher task takes one job at a time
 and runs it in the worker thread, so the event loop never blocks on inference.
+
+In front of the queue, :class:`PrepareStage` bounds validation + tokenization the same way: a few
+threads of its own and a capped number of requests waiting for them (see its docstring).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -179,3 +182,91 @@ class InferenceQueue:
             job.future.set_exception(exc)
         else:
             job.future.set_result(result)
+
+
+class ClientGone(Exception):
+    """The client disconnected while its request waited for a tokenizer thread."""
+
+
+class Admission:
+    """A request's place in :class:`PrepareStage`, held from before its body is read until its
+    prepare ends. ``release`` is idempotent, so every exit path may call it."""
+
+    __slots__ = ("_held", "_stage")
+
+    def __init__(self, stage: PrepareStage) -> None:
+        self._stage, self._held = stage, True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._stage._pending -= 1
+
+
+class PrepareStage:
+    """Validation + tokenization (``Clef.prepare``): ``workers`` at once, in threads of their own;
+    at most ``max_waiting`` more requests wait for a turn, beyond that :meth:`admit` raises
+    :class:`QueueFull`.
+
+    Why: Starlette's threadpool would run up to 40 prepares at once, outside the model's bounded
+    queue, so a flood of large requests would hold every body and its tokens in memory at once
+    and starve the model's own threads of CPU. A request is admitted *before* its body is read,
+    so bodies being received count against the bound too. Everything runs on one event loop, so
+    the counters need no lock.
+    """
+
+    def __init__(self, workers: int, max_waiting: int, *,
+                 retry_after: Callable[[], int] = lambda: 1,
+                 thread_name: str = "clef-prepare") -> None:
+        if workers < 1 or max_waiting < 0:
+            raise ValueError("need at least 1 tokenize worker and max_waiting >= 0")
+        self.workers, self.max_waiting = workers, max_waiting
+        self._retry_after = retry_after
+        self._thread_name = thread_name
+        self._pending = 0  # admitted and not yet released: receiving, waiting or preparing
+        self.running = 0  # prepares inside a thread now
+        self._semaphore: asyncio.Semaphore | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._closed = False
+
+    @property
+    def pending(self) -> int:
+        return self._pending
+
+    async def start(self) -> None:
+        self._semaphore = asyncio.Semaphore(self.workers)
+        self._executor = ThreadPoolExecutor(self.workers, thread_name_prefix=self._thread_name)
+
+    async def stop(self) -> None:
+        self._closed = True
+        if self._executor is not None:
+            # A tokenizer call cannot be interrupted; waiting keeps its thread out of shutdown.
+            await asyncio.get_running_loop().run_in_executor(
+                None, lambda: self._executor.shutdown(wait=True, cancel_futures=True))
+
+    def admit(self) -> Admission:
+        """A place for one request, or QueueFull / ShuttingDown at once."""
+        if self._closed or self._semaphore is None:
+            raise ShuttingDown("the server is shutting down")
+        if self._pending >= self.workers + self.max_waiting:
+            raise QueueFull(self._retry_after())
+        self._pending += 1
+        return Admission(self)
+
+    async def run(self, admission: Admission, fn: Callable[..., Any], *args: Any,
+                  gone: Callable[[], Awaitable[bool]] | None = None) -> Any:
+        """``fn(*args)`` in a tokenizer thread once one is free; releases ``admission`` either
+        way. ``gone``: checked once a thread is free, so a client that left is not prepared."""
+        assert self._semaphore is not None and self._executor is not None
+        try:
+            async with self._semaphore:
+                if gone is not None and await gone():
+                    raise ClientGone()
+                self.running += 1
+                try:
+                    return await asyncio.get_running_loop().run_in_executor(
+                        self._executor, fn, *args)
+                finally:
+                    self.running -= 1
+        finally:
+            admission.release()

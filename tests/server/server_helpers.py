@@ -7,6 +7,7 @@ Every wait is a bounded poll that stops on its own; no assertion depends on elap
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import subprocess
@@ -18,8 +19,16 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from clef_gguf.tools.bench_server import free_port
 from clef_gguf.server.app import create_app
+from clef_gguf.tools.bench_server import free_port
+
+
+def same(response) -> dict:
+    """A response as it must be whatever was served before: all but ``usage.cached_tokens``,
+    which says what the state cache held (a body, bytes or a parsed dict)."""
+    out = json.loads(response) if isinstance(response, (bytes, str)) else dict(response)
+    out["usage"] = {k: v for k, v in out["usage"].items() if k != "cached_tokens"}
+    return out
 
 REPO = Path(__file__).resolve().parents[2]
 DEADLINE_S = 60.0  # an upper bound for "should happen": reached only when something is stuck
@@ -115,16 +124,21 @@ class ThreadServer:
             self.stop()
 
 
+SERVE = ("-m", "clef_gguf.server")
+GATED_SERVE = (str(Path(__file__).with_name("gated_serve.py")),)  # + GATE_DIR: held passes
+
+
 @contextlib.contextmanager
-def serve_process(tmp_path: Path, *args: str, env: dict | None = None):
+def serve_process(tmp_path: Path, *args: str, env: dict | None = None,
+                  entry: tuple[str, ...] = SERVE):
     """``python -m clef_gguf.server ARGS --port P`` as a child process; yields (proc, url, port).
+    ``entry=(*GATED_SERVE, gate_dir)`` runs the same command with its passes held on files.
 
     Its output goes to a file (``proc.log_path``): a pipe nobody reads would fill up with the
     per-request log lines and block the server.
     """
     port = free_port()
-    cmd = [sys.executable, "-m", "clef_gguf.server", *args, "--host", "127.0.0.1",
-           "--port", str(port)]
+    cmd = [sys.executable, *entry, *args, "--host", "127.0.0.1", "--port", str(port)]
     log_path = tmp_path / f"server-{port}.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True,

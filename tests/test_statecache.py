@@ -1,0 +1,125 @@
+"""Prefix and state reuse: restored segments are bit-identical to decoded ones, so the cache can
+never change an answer; the store stays under its byte budget."""
+
+import numpy as np
+import pytest
+
+from clef_gguf import Clef
+from clef_gguf.statecache import Snapshot, StateCache
+from clef_gguf.tower import Tower
+
+DOC = {"ticket": "Refund for order 1182 not received after 14 days; customer is upset.",
+       "history": ["asked twice", "no reply"], "amount": 129.5}
+QUESTION_SETS = [
+    {"urgent": {"type": "noul", "instructions": "Is it urgent?"}},
+    {"team": {"type": "choice", "criteria": {"billing": "Payments", "tech": "Bugs"}}},
+    {"anger": {"type": "score", "criteria": ["calm", "annoyed", "furious"]}},
+    {"refund": {"type": "noul"}, "lang": {"type": "choice", "criteria": {"en": None, "de": None}}},
+]
+
+
+def without_cache_field(response: dict) -> dict:
+    usage = {k: v for k, v in response["usage"].items() if k != "cached_tokens"}
+    return {**response, "usage": usage}
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model_dir):
+    # n_batch 16: every segment spans several chunks, the case where schedules could differ
+    with Clef.load(tiny_model_dir) as cached, Clef.load(tiny_model_dir, state_cache_mb=0) as plain:
+        for clef in (cached, plain):
+            clef.tower.close()
+            clef.tower = Tower.load(clef.files.tower, n_ctx=4096, threads=2, n_batch=16)
+        yield cached, plain
+
+
+def test_cached_and_plain_paths_give_byte_identical_answers(models):
+    cached, plain = models
+    prefix = len(cached.encoder.prefix)
+    seen = []
+    for round_ in range(2):
+        for questions in QUESTION_SETS:
+            body = {"state": DOC, "questions": questions}
+            got, want = cached.decide(body), plain.decide(body)
+            assert without_cache_field(got) == without_cache_field(want)
+            seen.append(got["usage"]["cached_tokens"])
+            assert want["usage"]["cached_tokens"] in (0, prefix)  # plain: the prefix only
+    n = [cached.decide({"state": DOC, "questions": q})["usage"]["input_tokens"]
+         for q in QUESTION_SETS]
+    state = cached.prepare({"state": DOC, "questions": QUESTION_SETS[0]}).encoded.state_tokens
+    # first round: prefix decoded once, then the state restored for every other question set;
+    # second round: every prompt seen before, the tower not run at all
+    assert seen[:4] == [0, prefix + state, prefix + state, prefix + state]
+    assert seen[4:] == n
+
+
+def test_a_new_state_restores_only_the_prefix(models):
+    cached, _ = models
+    out = cached.decide({"state": "a state never seen before", "questions": QUESTION_SETS[0]})
+    assert out["usage"]["cached_tokens"] == len(cached.encoder.prefix)
+
+
+def test_long_prompts_over_many_chunks_agree(models):
+    cached, plain = models
+    body = {"state": " ".join(f"line {i}: the parcel moved to depot {i % 7}." for i in range(60)),
+            "questions": QUESTION_SETS[3]}
+    assert cached.prepare(body).encoded.n_tokens > 10 * 16
+    first, second = cached.decide(body), cached.decide({**body, "questions": QUESTION_SETS[1]})
+    assert without_cache_field(first) == without_cache_field(plain.decide(body))
+    assert without_cache_field(second) == without_cache_field(
+        plain.decide({**body, "questions": QUESTION_SETS[1]}))
+    assert second["usage"]["cached_tokens"] > 0
+
+
+def test_the_cache_stays_under_its_budget(tiny_model_dir):
+    with Clef.load(tiny_model_dir, state_cache_mb=0.4) as clef:  # a few entries of ~100 KB
+        for i in range(30):
+            clef.decide({"state": f"document number {i} " * 20, "questions": QUESTION_SETS[0]})
+            assert clef.state_cache.nbytes <= clef.state_cache.max_bytes
+        assert 0 < len(clef.state_cache) < 30  # some kept, the oldest evicted
+
+
+def test_lru_store_evicts_oldest_and_refuses_what_cannot_fit():
+    snap = lambda n: Snapshot(n, np.zeros(100, np.uint8), np.zeros((n, 25), np.float32))  # noqa: E731
+    cache = StateCache(max_bytes=3 * snap(1).nbytes)
+    for k in (b"a", b"b", b"c"):
+        assert cache.put(k, snap(1))
+    assert cache.get(b"a") is not None  # a is now the most recent
+    cache.put(b"d", snap(1))
+    assert cache.get(b"b") is None and cache.get(b"a") is not None and len(cache) == 3
+    assert not cache.put(b"huge", snap(50)) and cache.get(b"huge") is None
+    assert cache.nbytes <= cache.max_bytes
+    assert StateCache(0).put(b"x", snap(1)) is False
+
+
+@pytest.mark.parametrize("mb", [-1, "10", float("nan")])
+def test_the_budget_must_be_a_size(tiny_model_dir, mb):
+    from clef_gguf import errors
+
+    with pytest.raises(errors.InvalidValue) as info:
+        Clef.load(tiny_model_dir, state_cache_mb=mb)
+    assert info.value.field == "state_cache_mb"
+
+
+def test_decide_many_answers_in_order_groups_by_state_and_keeps_going(tiny_model_dir):
+    other = {"ticket": "Printer on fire"}
+    requests = [{"state": DOC, "questions": QUESTION_SETS[0]},
+                {"state": other, "questions": QUESTION_SETS[1]},
+                {"state": DOC, "questions": {"bad": {"type": "maybe"}}},
+                {"state": DOC, "questions": QUESTION_SETS[2]},
+                {"state": other, "questions": QUESTION_SETS[3]},
+                {"state": DOC, "questions": QUESTION_SETS[3]}]
+    with Clef.load(tiny_model_dir, state_cache_mb=0) as plain:
+        want = []
+        for r in requests:
+            try:
+                want.append(without_cache_field(plain.decide(r)))
+            except Exception as exc:  # noqa: BLE001 - the ClefError's body is what must match
+                want.append(exc.to_dict())
+    with Clef.load(tiny_model_dir) as clef:
+        got = list(clef.decide_many(iter(requests), window=4))
+        # two states: each decoded once (window 1), then restored for the other three requests
+        assert clef.state_cache.hits == 3
+        assert len(clef.state_cache) == 2 + 5  # 2 states + the 5 answered prompts
+    assert [without_cache_field(g) if "error" not in g else g for g in got] == want
+    assert got[2]["error"]["code"] == "invalid_question_type"
