@@ -30,6 +30,9 @@ COMMANDS = {
     "convert-split": ("clef_gguf.convert.split", "add_split_arguments", "run_split",
                       "split a native clef-arch GGUF (head inside) into a qwen35 tower GGUF + "
                       "head files, without re-quantizing; also spelled `convert split`"),
+    "batch": ("clef_gguf.bulk.job", "add_arguments", "run",
+              "answer every record of a JSONL or Parquet file into an output file (resumable; "
+              "local or Ray engine)"),
     "serve": ("clef_gguf.server.app", "add_arguments", "run",
               "serve POST /v1/systemone (SystemOne wire format) on a local HTTP port"),
     "pull": ("clef_gguf.models.hub", "add_pull_arguments", "run_pull",

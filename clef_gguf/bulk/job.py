@@ -1,0 +1,139 @@
+"""``clef-gguf batch``: answer every record of a JSONL or Parquet file into an output file.
+
+Order of work: read the questions schema and scan the input's ids (a bad schema or a duplicate id
+fails here, before the model loads), open the output (what is there is done and skipped), then
+compute the rest with the local or the Ray engine, writing each record as it is answered. The
+summary goes to stderr; exit 0 when every record has a line (errors included), 130/143 after
+Ctrl-C / SIGTERM (rerun to resume), 2 for a bad input, schema or flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from clef_gguf import errors
+from clef_gguf.argtypes import positive_int
+from clef_gguf.bulk import options, records
+from clef_gguf.bulk.output import Output
+from clef_gguf.bulk.progress import Progress
+from clef_gguf.bulk.stopping import Interrupted, Stopper
+from clef_gguf.cli_options import add_model_arguments, load_model
+
+DEFAULT_WINDOW = 64  # decide_many's: enough to meet a state's repeats in a typical file
+DEFAULT_LOG_EVERY_S = 10.0
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not value >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be >= 0 seconds (got {text})")
+    return value
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p)
+    g = p.add_argument_group("batch")
+    g.add_argument("--input", "-i", required=True, metavar="FILE",
+                   help="JSONL (one SystemOne request per line, or {\"id\", \"state\"} lines with "
+                        "--questions) or Parquet (.parquet/.pq: a 'state' column and an optional "
+                        "'id' column, with --questions). A record's id is its 'id', else its "
+                        "0-based line/row number; two records with one id are refused (exit 2)")
+    g.add_argument("--output", "-o", required=True, metavar="FILE",
+                   help="where the answers go, one record per input record in input order, in "
+                        "the output's format (.parquet/.pq: Parquet, .jsonl/.json/.ndjson: JSONL, "
+                        "anything else: the input's). An existing output is resumed: records "
+                        "whose id it has are skipped. Parquet is journaled to FILE.journal.jsonl "
+                        "and written when the job stops")
+    g.add_argument("--questions", "-q", metavar="SCHEMA.json",
+                   help="a JSON object of questions for every record that has none of its own "
+                        "(required for Parquet input)")
+    g.add_argument("--retry-errors", action="store_true",
+                   help="also redo the records the output holds as errors (their old error lines "
+                        "are dropped first); by default an error is an answer and is kept")
+    g.add_argument("--truncate-state", action="store_true",
+                   help="cut an over-long state to fit the window instead of answering that "
+                        "record with context_too_large")
+    g.add_argument("--window", type=positive_int, default=DEFAULT_WINDOW, metavar="N",
+                   help="records computed together: requests about one state within N "
+                        "consecutive records decode it once; also what an interruption may have "
+                        f"to redo (written records are never redone) (default {DEFAULT_WINDOW})")
+    g.add_argument("--log-every", type=_seconds, default=DEFAULT_LOG_EVERY_S, metavar="SECONDS",
+                   help="when stderr is not a terminal, a progress line every SECONDS (default "
+                        f"{DEFAULT_LOG_EVERY_S:g}; 0: after every record); a terminal gets a "
+                        "progress bar")
+    r = p.add_argument_group("engine")
+    r.add_argument("--engine", choices=("local", "ray"), default="local",
+                   help="local (default): this process; ray: Ray Data actors, one model copy "
+                        "each (needs pip install 'clef-gguf[ray]')")
+    r.add_argument("--ray-address", metavar="ADDR", default=os.environ.get("RAY_ADDRESS"),
+                   help="the Ray cluster to use, e.g. ray://head:10001 or auto (default "
+                        "$RAY_ADDRESS; unset: a private Ray on this machine, stopped at the end)")
+    r.add_argument("--replicas", type=positive_int, default=1, metavar="N",
+                   help="Ray actors, each holding one copy of the model (default 1)")
+    r.add_argument("--threads-per-replica", type=positive_int, default=None, metavar="T",
+                   help="CPUs each actor reserves and the tower's threads in it (default: this "
+                        "machine's cores / --replicas); replicas x T should not exceed the cores, "
+                        "nor replicas x the model's memory the RAM")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.model is None and args.gguf is None:  # before reading a large input
+        raise errors.MissingField("give --model (a model directory or catalog name) or --gguf "
+                                  "with its head files", field="model")
+    source, target = Path(args.input), Path(args.output)
+    if target.exists() and source.exists() and target.samefile(source):
+        raise errors.InvalidValue("--output is the input file: give another path", field="output")
+    in_fmt = records.format_of(source)
+    schema = records.load_schema(args.questions) if args.questions else None
+    order = records.index_ids(source, in_fmt, schema)  # duplicate ids: refused before the load
+    output = Output(target, records.format_of(target, default=in_fmt),
+                    retry_errors=args.retry_errors)
+    done = output.open()
+    todo = sum(1 for record_id in order if record_id not in done)
+    progress = Progress(todo, skipped=len(order) - todo, log_every=args.log_every)
+    pending = (r for r in records.read(source, in_fmt, schema) if r.id not in done)
+    stopper = Stopper()
+
+    def write(record: dict) -> None:
+        with stopper.writing():
+            output.write(record)
+            progress.update(record)
+
+    interrupted = None
+    with stopper:
+        try:
+            if todo:
+                _compute(args, pending, write, stopper, progress.ready)
+        except Interrupted as exc:
+            interrupted = exc
+        finally:
+            # a signal while tidying up takes its default action (Ctrl-C: exit 130): the
+            # journal is on disk, so the next run finishes what this one could not
+            stopper.restore()
+            output.close(order)
+    progress.summary(interrupted.name if interrupted else None)
+    return 128 + interrupted.signum if interrupted else 0
+
+
+def _compute(args: argparse.Namespace, pending, write, stopper: Stopper, ready) -> None:
+    if args.engine == "ray":
+        from clef_gguf.bulk import ray_engine
+
+        threads = options.per_replica_threads(args.threads_per_replica, args.replicas)
+        ray_engine.run(pending, write, load_kwargs=options.load_kwargs(args, threads),
+                       address=args.ray_address, replicas=args.replicas, threads=threads,
+                       window=args.window, truncate_state=args.truncate_state,
+                       after_init=lambda: (stopper.install(), ready()))
+        return
+    from clef_gguf.bulk.local import results
+
+    with load_model(args) as clef:
+        ready()
+        for record in results(clef, pending, window=args.window,
+                              truncate_state=args.truncate_state):
+            write(record)
