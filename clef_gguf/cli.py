@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import sys
-from pathlib import Path
 
 from clef_gguf import __version__, errors
 from clef_gguf.cli_options import add_model_arguments, load_model, read_request

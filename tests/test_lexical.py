@@ -124,5 +124,8 @@ def test_file_type_name(tmp_path, table):
     w = gguf.GGUFWriter(str(tmp_path / "ft.gguf"), "qwen35")
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
     w.add_tensor("output.weight", table)
-    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
     assert lexical.file_type_name(lexical.open_gguf(tmp_path / "ft.gguf")) == "q4_k_m"

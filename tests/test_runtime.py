@@ -195,7 +195,10 @@ def test_tower_with_another_architecture_is_refused(tiny_model_dir, tmp_path):
         p.unlink()
     w = gguf.GGUFWriter(str(d / "clef.gguf"), "clef")
     w.add_tensor("output.weight", np.zeros((8, 64), dtype=np.float32))
-    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
     with pytest.raises(errors.CorruptModel, match="convert split"):
         Clef.load(d)
 

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from clef_gguf.heads import SCALARS, JointSchemaHead, check_config, head_scalars, random_head
+from clef_gguf.heads import SCALARS as HEAD_SCALARS
+from clef_gguf.heads import JointSchemaHead, check_config, head_scalars, random_head
 
 JUDGE = dict(hidden_size=32, width=16, routing_layers=2, layers=4, heads=2, feedforward=24)
 VERDICT = dict(hidden_size=8, width=8, routing_layers=1, layers=2, heads=2, feedforward=16)
@@ -417,7 +418,7 @@ def parameter_count(config: dict) -> int:
         + 3 * width  # type_embedding
         + 3 * 2 * width  # option_summary_norm, field_norm, option_norm
         + (4 * width * width + width) + (width + 1)  # residual_scorer.0 and .3
-        + len(SCALARS)
+        + len(HEAD_SCALARS)
     )
     routing = 3 * 2 * width + attention + mlp
     decoder = 3 * 2 * width + 2 * attention + mlp

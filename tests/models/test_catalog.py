@@ -13,7 +13,8 @@ from clef_gguf.models import AUTO, CATALOG_ENV, Catalog, ModelRef, is_catalog_na
 
 # The list: BF16 plus the 29 quants of the community GGUF card.
 PUBLISHED_30 = ("BF16 Q8_0 Q6_K Q5_1 Q5_K_M Q5_K_S Q5_0 Q4_K_M Q4_1 IQ4_NL Q4_K_S Q4_0 IQ4_XS Q3_K_L Q3_K_M "
-                "IQ3_M IQ3_S Q3_K_S IQ3_XS IQ3_XXS Q2_K Q2_K_S IQ2_M IQ2_S Q2_0 IQ2_XS IQ2_XXS IQ1_M IQ1_S Q1_0").split()
+                "IQ3_M IQ3_S Q3_K_S IQ3_XS IQ3_XXS Q2_K Q2_K_S IQ2_M IQ2_S Q2_0 IQ2_XS IQ2_XXS IQ1_M IQ1_S "
+                "Q1_0").split()
 
 
 @pytest.fixture(scope="module")
