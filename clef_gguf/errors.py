@@ -115,3 +115,37 @@ class ConversionError(ClefError):
 class InferenceError(ClefError):
     code = "inference_error"
     status = 500
+
+
+# Bulk jobs (clef-gguf batch): input and output files are the user's (422: exit 2).
+class DuplicateId(ClefError):
+    """Two records share an id: their answers could not be told apart, and resume would skip one."""
+
+    code = "duplicate_id"
+    status = 422
+
+
+class InvalidInput(ClefError):
+    """The input file cannot be read as JSONL or Parquet at all (not one bad record: the file)."""
+
+    code = "invalid_input"
+    status = 422
+
+
+class CorruptOutput(ClefError):
+    """An existing output file has a line or table that clef-gguf did not write."""
+
+    code = "corrupt_output"
+    status = 422
+
+
+class InternalError(ClefError):
+    """A fault in clef-gguf or llama.cpp on one record (not the record's): the others go on."""
+
+    code = "internal_error"
+    status = 500
+
+
+class MissingDependency(ClefError):
+    code = "missing_dependency"
+    status = 500

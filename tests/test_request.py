@@ -239,3 +239,12 @@ def test_error_codes_are_stable_and_distinct():
     codes = [c.code for c in classes]
     assert len(set(codes)) == len(codes)
     assert errors.ContextTooLarge.status == 413
+
+
+def test_every_error_class_has_its_own_code():
+    import inspect
+
+    classes = [c for _, c in inspect.getmembers(errors, inspect.isclass)
+               if issubclass(c, errors.ClefError)]
+    codes = [c.code for c in classes]
+    assert len(classes) > 20 and len(set(codes)) == len(codes), sorted(codes)

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from clef_gguf import errors
-from clef_gguf.bulk.errors import InternalError
+from clef_gguf.errors import InternalError
 from clef_gguf.bulk.output import output_record
 from clef_gguf.bulk.records import Record
 

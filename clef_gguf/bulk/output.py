@@ -19,7 +19,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from clef_gguf.bulk.errors import CorruptOutput, need
+from clef_gguf.bulk.deps import need
+from clef_gguf.errors import CorruptOutput
 
 # Parquet columns: objects as JSON text (answers differ in shape from one schema to the next, so
 # a struct column would not fit them all): df["answers"].map(json.loads) reads them back.

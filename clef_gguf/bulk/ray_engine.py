@@ -20,7 +20,7 @@ from typing import Any
 
 from clef_gguf import errors
 from clef_gguf.bulk import local, options
-from clef_gguf.bulk.errors import need
+from clef_gguf.bulk.deps import need
 from clef_gguf.bulk.records import Record
 
 log = logging.getLogger("clef_gguf.bulk")

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from clef_gguf import errors
-from clef_gguf.bulk.errors import DuplicateId, InvalidInput, need
+from clef_gguf.bulk.deps import need
+from clef_gguf.errors import DuplicateId, InvalidInput
 from clef_gguf.request import parse_json, parse_request
 
 PARQUET_SUFFIXES = frozenset({".parquet", ".pq"})

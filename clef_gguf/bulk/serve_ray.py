@@ -25,7 +25,7 @@ from typing import Any
 
 from clef_gguf import errors
 from clef_gguf.bulk import options
-from clef_gguf.bulk.errors import need
+from clef_gguf.bulk.deps import need
 
 log = logging.getLogger("clef_gguf.server")
 APP_NAME = "clef"
