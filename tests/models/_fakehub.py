@@ -163,3 +163,17 @@ class FakeHub:
                 self._send(206 if start else 200, headers, payload, body)
 
         return Handler
+
+
+def point_at(monkeypatch, server: FakeHub, hf_home) -> None:
+    """Send huggingface_hub to ``server`` with a fresh cache at ``hf_home``, whatever this machine
+    had set (a CI machine with HF_HUB_OFFLINE set must not break the tests)."""
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    monkeypatch.setenv("HF_HOME", str(hf_home))
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
+                "HF_TOKEN"):
+        monkeypatch.delenv(var, raising=False)
+    import huggingface_hub.constants  # it froze HF_HUB_OFFLINE at import
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+

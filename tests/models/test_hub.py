@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from _fakehub import FakeHub, sha256
+from _fakehub import FakeHub, point_at, sha256
 from clef_gguf.models import hub
 from clef_gguf.models.device import GiB, DeviceProfile, NoQuantFits
 from clef_gguf.errors import ConversionError, CorruptModel, ModelNotFound
@@ -75,13 +75,7 @@ def fake_hub(tmp_path, monkeypatch):
     server.add(LOOSE_REPO, LOOSE_REV, {"clef-flash-IQ2_XS.gguf": IQ2, "mmproj-clef-flash-IQ2_XS.gguf": b"m"})
     server.add(NATIVE_REPO, NATIVE_REV, {"Native-Q4_K_M.gguf": NATIVE})
     server.start()
-    monkeypatch.setenv("HF_ENDPOINT", server.url)
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_TOKEN"):
-        monkeypatch.delenv(var, raising=False)
-    # huggingface_hub froze HF_HUB_OFFLINE at import; a CI machine with it set must not break these tests.
-    import huggingface_hub.constants
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    point_at(monkeypatch, server, tmp_path / "hf")
     yield server
     server.stop()
 

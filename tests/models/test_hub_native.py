@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from _fakehub import FakeHub, sha256
+from _fakehub import FakeHub, point_at, sha256
 from clef_gguf import Clef
 from clef_gguf import files as model_files
 from clef_gguf.convert import split as split_module
@@ -119,19 +119,8 @@ def native_hub(native, tmp_path, monkeypatch):
     path = tmp_path / "catalog.json"
     path.write_text(json.dumps(catalog_dict(data)))
     env = {"HF_ENDPOINT": server.url, "HF_HOME": str(tmp_path / "hf"), CATALOG_ENV: str(path)}
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    for var in (
-        "HF_HUB_CACHE",
-        "HUGGINGFACE_HUB_CACHE",
-        "HF_HUB_OFFLINE",
-        "TRANSFORMERS_OFFLINE",
-        "HF_TOKEN",
-    ):
-        monkeypatch.delenv(var, raising=False)
-    import huggingface_hub.constants
-
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    point_at(monkeypatch, server, tmp_path / "hf")
+    monkeypatch.setenv(CATALOG_ENV, str(path))
     server.env, server.data = env, data
     yield server
     server.stop()

@@ -12,7 +12,7 @@ from importlib import resources
 
 import pytest
 
-from _fakehub import FakeHub, sha256
+from _fakehub import FakeHub, point_at, sha256
 from clef_gguf import cli
 from clef_gguf.errors import ModelLoadError
 from clef_gguf.models import hfcache, hub
@@ -53,19 +53,7 @@ def seed_hub(tmp_path, monkeypatch):
     server.add(HEAD_REPO, HEAD_REV, HEAD)
     server.start()
     monkeypatch.setenv(CATALOG_ENV, str(path))
-    monkeypatch.setenv("HF_ENDPOINT", server.url)
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    for var in (
-        "HF_HUB_CACHE",
-        "HUGGINGFACE_HUB_CACHE",
-        "HF_HUB_OFFLINE",
-        "TRANSFORMERS_OFFLINE",
-        "HF_TOKEN",
-    ):
-        monkeypatch.delenv(var, raising=False)
-    import huggingface_hub.constants
-
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    point_at(monkeypatch, server, tmp_path / "hf")
     server.catalog = Catalog.from_dict(data)
     yield server
     server.stop()

@@ -166,3 +166,12 @@ def wait_healthy(proc: subprocess.Popen, url: str) -> None:
             return False
 
     wait_for(ok, "the server's /health to say ok")
+
+
+def raw_post(port: int, body: bytes) -> socket.socket:
+    """A POST on a bare socket, left open: the test decides when the client goes away."""
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    return sock
+

@@ -15,7 +15,7 @@ import pytest
 from avrik_sdk import AvrikError, Client, RateLimited, choice, noul, score
 
 from clef_gguf import Clef, errors
-from server_helpers import (same, DEADLINE_S, QUESTIONS, Gated, ThreadServer, request_body,
+from server_helpers import (raw_post, same, DEADLINE_S, QUESTIONS, Gated, ThreadServer, request_body,
                             wait_for)
 
 
@@ -376,11 +376,7 @@ def test_a_failing_pass_is_a_500_with_the_error_body(clef):
 
 # ------------------------------------------------------------------ disconnects, shutdown
 def _raw_post(port: int, body: dict) -> socket.socket:
-    data = json.dumps(body).encode()
-    sock = socket.create_connection(("127.0.0.1", port))
-    sock.sendall(b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
-    return sock
+    return raw_post(port, json.dumps(body).encode())
 
 
 def test_client_gone_while_queued_is_never_computed(clef, caplog):

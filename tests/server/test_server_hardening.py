@@ -23,7 +23,7 @@ import pytest
 import clef_gguf.tower as tower_module
 from clef_gguf import Clef
 from clef_gguf.server import app as server_app
-from server_helpers import same, DEADLINE_S, Gated, ThreadServer, request_body, wait_for
+from server_helpers import raw_post, same, DEADLINE_S, Gated, ThreadServer, request_body, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -126,13 +126,6 @@ def test_at_most_n_prepares_at_once_and_the_overflow_gets_429(clef):
         assert [s for s, _, _ in again] == [200] * 3  # recovered
 
 
-def _raw_post(port: int, body: bytes) -> socket.socket:
-    sock = socket.create_connection(("127.0.0.1", port))
-    sock.sendall(b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-    return sock
-
-
 def test_a_client_gone_while_waiting_for_a_tokenizer_is_not_tokenized(clef, caplog):
     caplog.set_level(logging.INFO, logger="clef_gguf.server")
     held = HeldPrepare(clef)
@@ -141,7 +134,7 @@ def test_a_client_gone_while_waiting_for_a_tokenizer_is_not_tokenized(clef, capl
         out: list = []
         (first,) = _post_in_background(srv.url, [json.dumps(request_body(1)).encode()], out)
         wait_for(lambda: held.inside == 1, "the first prepare to start")
-        sock = _raw_post(srv.port, json.dumps(request_body(2)).encode())
+        sock = raw_post(srv.port, json.dumps(request_body(2)).encode())
         wait_for(lambda: stage.pending == 2, "the second request to wait for the tokenizer")
         sock.close()
         held.release()
