@@ -10,12 +10,17 @@ A converted directory holds ``clef-gguf.json`` (written by ``clef-gguf convert``
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 
-from clef_gguf.errors import CorruptModel, ModelNotFound
+from clef_gguf.errors import ConversionError, CorruptModel, ModelNotFound
 
 MANIFEST = "clef-gguf.json"
 MANIFEST_FORMAT = "clef-gguf/1"
@@ -165,3 +170,39 @@ def from_directory(directory: Path) -> ModelFiles:
                            name=directory.name)
     files.check_exist()
     return files
+
+
+@contextlib.contextmanager
+def staged_directory(out: Path) -> Iterator[Path]:
+    """Write a model directory all or nothing: files go into a temporary directory beside ``out``,
+    moved there complete when the block ends; a failure leaves no trace of them (and no ``out`` if
+    there was none)."""
+    out = Path(out).absolute()
+    if out.exists() and not out.is_dir():
+        raise ConversionError(f"{out} exists and is not a directory", field="out")
+    # In out's nearest existing ancestor: the same filesystem, so the final move is a rename, and
+    # out's missing parents are only created once the directory is complete.
+    base = out.parent
+    while not base.is_dir():
+        base = base.parent
+    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=base))
+    try:
+        yield stage
+        _commit(stage, out)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+
+
+def _commit(stage: Path, out: Path) -> None:
+    if out.is_dir():
+        # Never swap an existing out away (it may hold other files, or be someone's cwd): move
+        # the new files in, the old manifest gone first, the new one last: none names a mix.
+        (out / MANIFEST).unlink(missing_ok=True)
+        for path in sorted(stage.iterdir(), key=lambda p: p.name == MANIFEST):
+            os.replace(path, out / path.name)
+        stage.rmdir()
+    else:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(stage, out)  # the complete directory appears in one rename
+

@@ -221,19 +221,18 @@ def quantize_model(model_dir, out, outtype: str, *, name: str | None = None, **o
     outtype = canonical_outtype(outtype)
     found = files.from_directory(model_dir)
     manifest = files.read_manifest(model_dir) if (model_dir / files.MANIFEST).is_file() else {}
-    out.mkdir(parents=True, exist_ok=True)
     tower = f"tower-{outtype}.gguf"
-    quant = quantize_file(found.tower, out / tower, outtype, **options)
-    for role in ("head_weights", "head_config", "tokenizer"):
-        path = getattr(found, role)
-        if path.resolve() != (out / path.name).resolve():
-            shutil.copyfile(path, out / path.name)
-    roles = {"tower": tower, **{r: getattr(found, r).name for r in ("head_weights", "head_config",
-                                                                     "tokenizer")}}
-    source = {**manifest.get("source", {}), "quantized_from": str(found.tower.resolve()),
-              "quantization": quant}
-    files.write_manifest(out, name or manifest.get("name", found.name), outtype, roles,
-                         extra={"source": source})
+    with files.staged_directory(out) as stage:  # a failed quantization leaves no half directory
+        quant = quantize_file(found.tower, stage / tower, outtype, **options)
+        for role in ("head_weights", "head_config", "tokenizer"):
+            path = getattr(found, role)
+            shutil.copyfile(path, stage / path.name)
+        roles = {"tower": tower, **{r: getattr(found, r).name for r in ("head_weights", "head_config",
+                                                                         "tokenizer")}}
+        source = {**manifest.get("source", {}), "quantized_from": str(found.tower.resolve()),
+                  "quantization": quant}
+        files.write_manifest(stage, name or manifest.get("name", found.name), outtype, roles,
+                             extra={"source": source})
     return out
 
 

@@ -81,19 +81,19 @@ def convert_release(src, out, *, outtype: str = "f32", name: str | None = None, 
     for role in (files.HEAD_WEIGHTS, files.HEAD_CONFIG):
         if not (src / role).is_file():
             raise ModelNotFound(f"{role} not found in {src}", field="src")
-    out.mkdir(parents=True, exist_ok=True)
     name = name or src.resolve().name
     tower = tower_name(outtype)
-    if outtype in tm.OUTTYPES:
-        summary = write_tower(src, out / tower, outtype=outtype, name=name)
-    else:
-        summary = write_quantized_tower(src, out / tower, outtype, name=name, **quant_options)
-    for fname in (files.HEAD_WEIGHTS, files.HEAD_CONFIG, files.TOKENIZER):
-        _copy(src / fname, out / fname)
-    source = {"path": str(src.resolve()), **summary,
-              "random_weights": (src / "RANDOM_WEIGHTS.json").is_file()}
-    files.write_manifest(out, name, outtype,
-                         {"tower": tower, "head_weights": files.HEAD_WEIGHTS,
-                          "head_config": files.HEAD_CONFIG, "tokenizer": files.TOKENIZER},
-                         extra={"source": source})
+    with files.staged_directory(out) as stage:  # a failed conversion leaves no half directory
+        if outtype in tm.OUTTYPES:
+            summary = write_tower(src, stage / tower, outtype=outtype, name=name)
+        else:
+            summary = write_quantized_tower(src, stage / tower, outtype, name=name, **quant_options)
+        for fname in (files.HEAD_WEIGHTS, files.HEAD_CONFIG, files.TOKENIZER):
+            _copy(src / fname, stage / fname)
+        source = {"path": str(src.resolve()), **summary,
+                  "random_weights": (src / "RANDOM_WEIGHTS.json").is_file()}
+        files.write_manifest(stage, name, outtype,
+                             {"tower": tower, "head_weights": files.HEAD_WEIGHTS,
+                              "head_config": files.HEAD_CONFIG, "tokenizer": files.TOKENIZER},
+                             extra={"source": source})
     return out

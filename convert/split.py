@@ -72,9 +72,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -388,8 +386,7 @@ def split_with_summary(src, out, *, tokenizer=None, name: str | None = None,
     label = file_type_name(reader)
     tower = f"tower-{label}.gguf"
     name = name or field_value(reader, "general.name") or src.stem
-    stage = _stage_dir(out.absolute())
-    try:
+    with files.staged_directory(out) as stage:
         n_tensors, dropped = write_tower(reader, stage / tower, used)
         save_file({k: v.to(dtypes[head_dtype]).contiguous() for k, v in state.items()},
                   str(stage / files.HEAD_WEIGHTS), metadata={"format": "pt"})
@@ -408,37 +405,11 @@ def split_with_summary(src, out, *, tokenizer=None, name: str | None = None,
                              {"tower": tower, "head_weights": files.HEAD_WEIGHTS,
                               "head_config": files.HEAD_CONFIG, "tokenizer": files.TOKENIZER},
                              extra={"source": source})
-        _commit(stage, out.absolute())
-    except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
-        raise
     return out, {"model_dir": str(out), "tower": str(out / tower), "outtype": label,
                  "tower_tensors": n_tensors, "head_tensors": len(used), "dropped_keys": dropped,
                  "head_weights": str(out / files.HEAD_WEIGHTS),
                  "tokenizer": "rebuilt from the GGUF" if rebuilt is not None else "copied",
                  "manifest": (out / files.MANIFEST).is_file()}
-
-
-def _stage_dir(out: Path) -> Path:
-    # In out's nearest existing ancestor: the same filesystem as out, so the final move is a
-    # rename, and out's missing parents are only created once the directory is complete.
-    base = out.parent
-    while not base.is_dir():
-        base = base.parent
-    return Path(tempfile.mkdtemp(prefix=f".{out.name}.split-", dir=base))
-
-
-def _commit(stage: Path, out: Path) -> None:
-    if out.is_dir():
-        # Never swap an existing out away (it may hold other files, or be someone's cwd): move
-        # the new files in, the old manifest gone first, the new one last: none names a mix.
-        (out / files.MANIFEST).unlink(missing_ok=True)
-        for path in sorted(stage.iterdir(), key=lambda p: p.name == files.MANIFEST):
-            os.replace(path, out / path.name)
-        stage.rmdir()
-    else:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(stage, out)  # the complete directory appears in one rename
 
 
 # --------------------------------------------------------------------------- CLI (wired by clef_gguf.cli)

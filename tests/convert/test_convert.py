@@ -359,3 +359,22 @@ def test_cli_convert_and_demo(tiny_release, tmp_path, capsys):
     assert "RANDOM WEIGHTS" in captured.err and "RANDOM WEIGHTS" in json.loads(captured.out)["warning"]
     mf = files.from_directory(tmp_path / "demo")
     assert mf.tower.name == "tower-f32.gguf" and (tmp_path / "demo" / "release" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_a_failed_conversion_leaves_no_half_directory(tiny_release, tmp_path, monkeypatch, existing):
+    out = tmp_path / "out"
+    if existing:
+        out.mkdir()
+        (out / "keep.txt").write_text("mine")
+
+    def fail(*_a, **_k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(files, "write_manifest", fail)  # after the tower and the head files
+    with pytest.raises(OSError, match="disk full"):
+        convert_release(tiny_release, out)
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == (["out"] if existing else [])  # no staging directory left either
+    if existing:
+        assert [p.name for p in out.iterdir()] == ["keep.txt"]
