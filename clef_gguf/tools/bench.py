@@ -12,6 +12,7 @@ import json
 import statistics
 
 from clef_gguf.argtypes import positive_int
+from clef_gguf.errors import InvalidValue
 from clef_gguf.statecache import StateCache
 
 SENTENCE = ("Customer 4471 reports that the March invoice was charged twice and asks for a refund "
@@ -67,11 +68,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=positive_int, default=400, help="prompt size to aim for (default 400)")
     p.add_argument("--repeat", type=positive_int, default=5,
                    help="measured runs after one warm-up (default 5)")
-    p.add_argument("--versus", choices=["prefill", "reuse"],
+    p.add_argument("--versus", choices=["prefill", "reuse", "transformers"],
                    help="instead of the stage split, a side-by-side ratio (alternating rounds, "
                         "median and spread): prefill = a decision vs a bare llama.cpp prefill of "
                         "the same ids; reuse = 4 question sets about one --tokens state with the "
-                        "state cache vs 4 plain decisions")
+                        "state cache vs 4 plain decisions; transformers = a decision vs the "
+                        "transformers reference of --release")
+    p.add_argument("--release", help="the Hugging Face release directory, for --versus "
+                   "transformers (the demo keeps it in DEMO_DIR/release)")
     p.add_argument("--rounds", type=positive_int, default=7,
                    help="rounds for --versus (default 7)")
 
@@ -85,6 +89,11 @@ def run(args: argparse.Namespace) -> int:
 
             if args.versus == "prefill":
                 result = versus.versus_prefill(clef, sized_request(clef, args.tokens), args.rounds)
+            elif args.versus == "transformers":
+                if not args.release:
+                    raise InvalidValue("--versus transformers needs --release DIR", field="release")
+                result = versus.versus_transformers(clef, sized_request(clef, args.tokens),
+                                                    args.release, args.rounds)
             else:
                 state = sized_request(clef, args.tokens)["state"]
                 result = versus.versus_reuse(clef, state, REUSE_SETS, args.rounds)

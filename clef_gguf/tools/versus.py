@@ -5,6 +5,8 @@ spread, so a noisy machine moves both sides alike. Never a timed assertion: numb
 - ``prefill``: a whole decision (plain path, no cache) vs a bare llama.cpp prefill of the same
   token ids (lm_head for the last token only, same threads, same n_batch): the physical floor.
 - ``reuse``: four question sets about one state with the state cache vs four plain decisions.
+- ``transformers``: a decision vs the transformers reference of the same release (backbone + head,
+  fp32, the same torch threads) on the same request.
 """
 
 from __future__ import annotations
@@ -110,3 +112,20 @@ def versus_reuse(clef, state: str, question_sets: list[dict], rounds: int) -> di
     return {"versus": "reuse", "state_tokens": tokens, "question_sets": len(requests),
             "a": f"{len(requests)} question sets, state cache",
             "b": f"{len(requests)} plain decisions", **result}
+
+
+def versus_transformers(clef, request: dict, release: str, rounds: int) -> dict:
+    from clef_gguf.tools.parity import Reference
+
+    reference = Reference(release)  # loads with torch's threads: set to the tower's by Clef.load
+    saved, clef.state_cache = clef.state_cache, StateCache(0)
+    try:
+        reference.probabilities(request)  # warm-up both
+        clef.decide(request)
+        result = alternate(lambda: clef.decide(request),
+                           lambda: reference.probabilities(request), rounds)
+    finally:
+        clef.state_cache = saved
+    return {"versus": "transformers", "tokens": int(clef.prepare(request).encoded.n_tokens),
+            "a": "clef-gguf decide (no cache)", "b": "transformers backbone + head, fp32", **result}
+

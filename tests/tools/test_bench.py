@@ -31,3 +31,15 @@ def test_bench_versus_reports_ratios(tiny_model_dir):
         assert out["versus"] == mode and out["rounds"] == 2
         assert out["ratio_min"] <= out["ratio_median"] <= out["ratio_max"]
         assert out["a_ms_median"] > 0 and out["b_ms_median"] > 0
+
+
+def test_bench_versus_transformers(tiny_model_dir, tiny_release):
+    proc = subprocess.run(["clef-gguf", "bench", "--model", str(tiny_model_dir), "--versus",
+                           "transformers", "--release", str(tiny_release), "--rounds", "2",
+                           "--tokens", "300"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["versus"] == "transformers" and out["ratio_min"] <= out["ratio_median"]
+    missing = subprocess.run(["clef-gguf", "bench", "--model", str(tiny_model_dir), "--versus",
+                              "transformers"], capture_output=True, text=True, timeout=300)
+    assert missing.returncode == 2 and json.loads(missing.stdout)["error"]["field"] == "release"
