@@ -132,6 +132,9 @@ class Clef:
         if precision not in PRECISIONS:
             raise errors.InvalidValue(f"precision must be one of {', '.join(PRECISIONS)}",
                                       field="precision")
+        if head_threads is not None and (not isinstance(head_threads, int) or head_threads < 1):
+            raise errors.InvalidValue(f"head_threads must be a whole number >= 1 (got "
+                                      f"{head_threads!r})", field="head_threads")
         if not isinstance(state_cache_mb, (int, float)) or not 0 <= state_cache_mb < 1 << 30:
             raise errors.InvalidValue(f"state_cache_mb must be a size in MiB >= 0 (got "
                                       f"{state_cache_mb!r})", field="state_cache_mb")
@@ -160,10 +163,6 @@ class Clef:
                 f"{lexical.vocab_size}: they are not from the same release", field="tokenizer")
         layers = _gpu_layers(gpu_layers, found.tower, lexical.hidden_size, max_length)
         tower = Tower.load(found.tower, n_ctx=max_length, threads=threads, gpu_layers=layers)
-        if head_threads is not None and (not isinstance(head_threads, int) or head_threads < 1):
-            tower.close()
-            raise errors.InvalidValue(f"head_threads must be a whole number >= 1 (got "
-                                      f"{head_threads!r})", field="head_threads")
         # The head runs after the tower on the same cores: torch gets as many threads as the
         # tower, not its default of every core (process-wide: torch has one intra-op pool).
         torch.set_num_threads(head_threads or tower.threads)

@@ -74,7 +74,7 @@ def gpu_offload() -> bool:
     return bool(ll.llama_supports_gpu_offload())
 
 
-def _extra_buffer_types() -> bool:
+def extra_buffer_types() -> bool:
     """ggml's extra weight buffers (CPU repacking, AMX) unless this build has AMX: a native build on
     an AMX CPU (Sapphire Rapids and later) segfaults decoding Q8_0 towers there, so it gets the
     plain kernels: slower on Q4_0/Q8_0, never a crash."""
@@ -145,7 +145,7 @@ class _Model:
         params.load_mode = ll.LLAMA_LOAD_MODE_MMAP
         params.n_gpu_layers = gpu_layers  # -1: all; without a GPU backend llama.cpp uses the CPU
         self.gpu_layers = gpu_layers if gpu_offload() else 0
-        params.use_extra_bufts = _extra_buffer_types()
+        params.use_extra_bufts = extra_buffer_types()
         _LOG_TAIL.clear()
         self.ptr = ll.llama_model_load_from_file(str(path).encode(), params)
         if not self.ptr:
@@ -286,9 +286,12 @@ class Tower:
             out[start:start + len(chunk)] = self._ctx.rows(len(chunk), self.n_embd)
         return out
 
-    def _save(self) -> np.ndarray:
+    def _state_size(self) -> int:
+        return int(ll.llama_state_seq_get_size_ext(self._ctx.ptr, 0, 0))
+
+    def _save(self, size: int | None = None) -> np.ndarray:
         """The whole sequence (KV cells + recurrent state), serialized by llama.cpp."""
-        size = ll.llama_state_seq_get_size_ext(self._ctx.ptr, 0, 0)
+        size = self._state_size() if size is None else size
         buf = np.empty(size, dtype=np.uint8)
         got = ll.llama_state_seq_get_data_ext(
             self._ctx.ptr, buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), size, 0, 0)
@@ -347,9 +350,9 @@ class Tower:
                 self._prefix = (key, Snapshot(prefix, self._save(), parts[0]))
             if state:
                 parts.append(self._decode(ids[prefix:head]))
-                size = ll.llama_state_seq_get_size_ext(self._ctx.ptr, 0, 0)
+                size = self._state_size()
                 if state_key and size + head * self.n_embd * 4 <= cache.max_bytes:
-                    cache.put(state_key, Snapshot(head, self._save(), np.concatenate(parts)))
+                    cache.put(state_key, Snapshot(head, self._save(size), np.concatenate(parts)))
         if head < len(ids):
             parts.append(self._decode(ids[head:]))
         return np.concatenate(parts), cached

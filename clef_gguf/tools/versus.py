@@ -20,7 +20,7 @@ import llama_cpp as ll
 import numpy as np
 
 from clef_gguf.statecache import StateCache
-from clef_gguf.tower import _extra_buffer_types
+from clef_gguf.tower import extra_buffer_types
 
 class BarePrefill:
     """A plain llama.cpp context: logits for the last token of each chunk, nothing else."""
@@ -28,7 +28,7 @@ class BarePrefill:
     def __init__(self, path: str, n_ctx: int, n_batch: int, threads: int):
         mparams = ll.llama_model_default_params()
         mparams.n_gpu_layers = 0
-        mparams.use_extra_bufts = _extra_buffer_types()  # the same kernels as the tower's
+        mparams.use_extra_bufts = extra_buffer_types()  # the same kernels as the tower's
         self.model = ll.llama_model_load_from_file(str(path).encode(), mparams)
         cparams = ll.llama_context_default_params()
         cparams.n_ctx, cparams.n_batch, cparams.n_ubatch = n_ctx, n_batch, n_batch

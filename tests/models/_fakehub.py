@@ -177,3 +177,13 @@ def point_at(monkeypatch, server: FakeHub, hf_home) -> None:
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
 
+
+def head_source(repo: str, revision: str, head: dict[str, bytes]) -> dict:
+    """The catalog entry of a head repository serving ``head`` (file name -> bytes)."""
+    return {"family": "clef-flash", "alias": "cloudflare", "role": "head", "repo": repo,
+            "revision": revision, "files": {
+                "head_weights": {"file": "joint_head.safetensors",
+                                 "sha256": sha256(head["joint_head.safetensors"])},
+                "head_config": {"file": "joint_head_config.json"},
+                "tokenizer": {"file": "tokenizer.json", "sha256": sha256(head["tokenizer.json"])}}}
+

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from _fakehub import FakeHub, point_at, sha256
+from _fakehub import FakeHub, head_source, point_at, sha256
 from clef_gguf.models import hub
 from clef_gguf.models.device import GiB, DeviceProfile, NoQuantFits
 from clef_gguf.errors import ConversionError, CorruptModel, ModelNotFound
@@ -50,12 +50,7 @@ def catalog_dict(**tower_files) -> dict:
             "size_estimate": {"overhead_bytes": 429000000, "bytes_per_bpw": 1095500000},
             "head_source": "head", "tower_sources": ["tower", "loose"], "other_sources": ["native"]}},
         "sources": {
-            "head": {"family": "clef-flash", "alias": "cloudflare", "role": "head", "repo": HEAD_REPO,
-                     "revision": HEAD_REV, "files": {
-                         "head_weights": {"file": "joint_head.safetensors",
-                                          "sha256": sha256(HEAD["joint_head.safetensors"])},
-                         "head_config": {"file": "joint_head_config.json"},
-                         "tokenizer": {"file": "tokenizer.json", "sha256": sha256(HEAD["tokenizer.json"])}}},
+            "head": head_source(HEAD_REPO, HEAD_REV, HEAD),
             "tower": {"family": "clef-flash", "alias": "testsrc", "role": "tower", "repo": TOWER_REPO,
                       "revision": TOWER_REV, "files": files},
             "loose": {"family": "clef-flash", "alias": "loose", "role": "tower", "repo": LOOSE_REPO,

@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from _fakehub import FakeHub, sha256
+from _fakehub import FakeHub, head_source, sha256
 
 TOWER_REPO, HEAD_REPO = "test-org/clef-flash-GGUF", "test-org/clef-flash"
 TOWER_REV, HEAD_REV = "e" * 40, "f" * 40
@@ -36,12 +36,7 @@ def hub_env(tiny_model_dir, tmp_path):
             "size_estimate": {"overhead_bytes": 0, "bytes_per_bpw": 1},
             "head_source": "head", "tower_sources": ["tower"], "other_sources": []}},
         "sources": {
-            "head": {"family": "clef-flash", "alias": "cloudflare", "role": "head", "repo": HEAD_REPO,
-                     "revision": HEAD_REV, "files": {
-                         "head_weights": {"file": "joint_head.safetensors",
-                                          "sha256": sha256(head["joint_head.safetensors"])},
-                         "head_config": {"file": "joint_head_config.json"},
-                         "tokenizer": {"file": "tokenizer.json", "sha256": sha256(head["tokenizer.json"])}}},
+            "head": head_source(HEAD_REPO, HEAD_REV, head),
             "tower": {"family": "clef-flash", "alias": "testsrc", "role": "tower", "repo": TOWER_REPO,
                       "revision": TOWER_REV, "files": {"Q8_0": {
                           "file": "Clef-Tiny-Q8_0.gguf", "size": len(tower), "sha256": sha256(tower)}}},
