@@ -19,6 +19,11 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", "-m", help="a converted model directory, a .gguf next to its head "
                    "files, or a catalog name such as clef-flash:Q4_K_M / clef-flash:auto")
+    g.add_argument("--backend", choices=["auto", "gguf", "nvfp4"], default="auto",
+                   help="which tower runs: gguf (llama.cpp on a .gguf), nvfp4 (PyTorch on a "
+                        "compressed-tensors NVFP4/NVFP4A16 checkpoint directory: native FP4 on "
+                        "Blackwell GPUs, a dequantizing fallback on other GPUs and, slowly, on the "
+                        "CPU); auto (default): what the model's files are")
     g.add_argument("--gguf", help="tower GGUF path (overrides the directory's)")
     g.add_argument("--head", help="joint_head.safetensors path")
     g.add_argument("--head-config", help="joint_head_config.json path")
@@ -31,7 +36,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-layers", type=gpu_layers, default="auto",
                    help="tower layers on the GPU: auto (default: all when this llama-cpp-python "
                         "build has a GPU backend and the model fits, as `clef-gguf pick` says; "
-                        "else 0), all, or a count; 0 keeps it on the CPU")
+                        "else 0), all, or a count; 0 keeps it on the CPU (nvfp4: auto/all use "
+                        "CUDA when present, 0 the CPU)")
     g.add_argument("--max-length", type=positive_int, default=16384,
                    help="prompt window in tokens (reference: 16384); longer requests are refused")
     g.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
@@ -55,7 +61,8 @@ def load_model(args: argparse.Namespace):
                      tokenizer=args.tokenizer, threads=args.threads, max_length=args.max_length,
                      precision=args.precision, allow_download=not args.offline,
                      strict=args.strict, state_cache_mb=args.state_cache_mb,
-                     gpu_layers=args.gpu_layers, head_threads=args.head_threads)
+                     gpu_layers=args.gpu_layers, head_threads=args.head_threads,
+                     backend=args.backend)
 
 
 def read_request(source: str):

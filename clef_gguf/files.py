@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 
-from clef_gguf.errors import ConversionError, CorruptModel, ModelNotFound
+from clef_gguf.errors import ConversionError, CorruptModel, InvalidValue, ModelNotFound
 
 MANIFEST = "clef-gguf.json"
 MANIFEST_FORMAT = "clef-gguf/1"
@@ -28,6 +28,10 @@ HEAD_WEIGHTS = "joint_head.safetensors"
 HEAD_CONFIG = "joint_head_config.json"
 TOKENIZER = "tokenizer.json"
 ROLES = ("tower", "head_weights", "head_config", "tokenizer")
+# The two tower formats: a GGUF run by llama.cpp, or a compressed-tensors NVFP4 checkpoint run by
+# PyTorch (``tower`` is then the checkpoint's config.json; its safetensors lie beside it).
+BACKENDS = ("gguf", "nvfp4")
+CHECKPOINT_CONFIG = "config.json"
 
 
 @dataclass
@@ -38,6 +42,7 @@ class ModelFiles:
     tokenizer: Path
     name: str = "clef"
     revision: str | None = None
+    backend: str = "gguf"
     # sha256 by file name, where a manifest or a catalog already knows it.
     sha256: dict[str, str] = field(default_factory=dict)
     # resolved path -> (sha256, size, mtime_ns bound): a known hash is trusted only for the very
@@ -143,13 +148,33 @@ def read_manifest(directory: Path) -> dict:
     return manifest
 
 
-def from_directory(directory: Path) -> ModelFiles:
-    """Files of a converted model directory; without a manifest, the one ``*.gguf`` in it."""
+def is_compressed_tensors(directory: Path) -> bool:
+    """A Hugging Face checkpoint whose config.json says ``quant_method: compressed-tensors``."""
+    try:
+        config = json.loads((Path(directory) / CHECKPOINT_CONFIG).read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return False
+    quant = config.get("quantization_config") if isinstance(config, dict) else None
+    return isinstance(quant, dict) and quant.get("quant_method") == "compressed-tensors"
+
+
+def from_directory(directory: Path, backend: str | None = None) -> ModelFiles:
+    """Files of a converted model directory; a compressed-tensors checkpoint (the nvfp4 backend);
+    without a manifest, the one ``*.gguf`` in it. ``backend="gguf"`` looks for the GGUF even in a
+    directory that also holds a checkpoint."""
     directory = Path(directory)
     if not directory.is_dir():
         raise ModelNotFound(f"model directory not found: {directory}", field="model")
-    if (directory / MANIFEST).is_file():
-        manifest = read_manifest(directory)
+    checkpoint = is_compressed_tensors(directory)
+    manifest = read_manifest(directory) if (directory / MANIFEST).is_file() else None
+    if checkpoint and backend != "gguf":
+        files = ModelFiles(tower=directory / CHECKPOINT_CONFIG, head_weights=directory / HEAD_WEIGHTS,
+                           head_config=directory / HEAD_CONFIG, tokenizer=directory / TOKENIZER,
+                           name=directory.name, backend="nvfp4")
+        if manifest is not None:  # written by `clef-gguf convert --outtype nvfp4*`
+            files.name = str(manifest.get("name", directory.name))
+            files.revision = manifest.get("revision")
+    elif manifest is not None and not (checkpoint and not manifest["tower"].endswith(".gguf")):
         files = ModelFiles(**{role: directory / manifest[role] for role in ROLES},
                            name=str(manifest.get("name", directory.name)),
                            revision=manifest.get("revision"))
@@ -163,6 +188,10 @@ def from_directory(directory: Path) -> ModelFiles:
         ggufs = sorted(directory.glob("*.gguf"))
         if len(ggufs) != 1:
             found = ", ".join(p.name for p in ggufs) or "none"
+            if checkpoint:  # --backend gguf on a compressed-tensors checkpoint
+                raise InvalidValue(f"--backend gguf needs a GGUF tower, but {directory} holds a "
+                                   f"compressed-tensors NVFP4 checkpoint and {found} .gguf file(s)",
+                                   field="backend")
             raise ModelNotFound(f"{directory} has no {MANIFEST} and not exactly one .gguf file "
                                 f"(found: {found}); pass --gguf explicitly", field="model")
         files = ModelFiles(tower=ggufs[0], head_weights=directory / HEAD_WEIGHTS,

@@ -224,8 +224,11 @@ class LexicalRows:
                                "not [hidden, vocab]", field="tower")
         self.tensor_name = tensor.name
         self.type = gguf.GGMLQuantizationType(tensor.tensor_type)
-        self.hidden_size, self.vocab_size = (int(x) for x in tensor.shape[:2])  # ggml order
         self._data = tensor.data
+        self._init_store(*(int(x) for x in tensor.shape[:2]), max_bytes)  # ggml order: [H, vocab]
+
+    def _init_store(self, hidden_size: int, vocab_size: int, max_bytes: int) -> None:
+        self.hidden_size, self.vocab_size = hidden_size, vocab_size
         self.capacity = int(max(1, min(self.vocab_size, max_bytes // (4 * self.hidden_size))))
         self._store = np.empty((self.capacity, self.hidden_size), dtype=np.float32)
         self._slot = np.full(self.vocab_size, -1, dtype=np.int64)  # token id -> slot, -1: absent
@@ -233,6 +236,11 @@ class LexicalRows:
         self._used = np.zeros(self.capacity, dtype=np.int64)  # slot -> tick of its last use
         self._tick = 0
         self._lock = threading.Lock()
+
+    @property
+    def type_name(self) -> str:
+        """The stored type of the rows (before dequantization), e.g. Q8_0 or BF16."""
+        return self.type.name
 
     @property
     def cached(self) -> np.ndarray:

@@ -16,19 +16,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from clef_gguf import answer, errors, files as model_files, statecache
+from clef_gguf import answer, backends, errors, files as model_files, statecache
 from clef_gguf.encode import DEFAULT_MAX_LENGTH, TEMPLATE_SHA256, Encoded, Encoder
 from clef_gguf.heads import head_scalars, load_head
 from clef_gguf.models.catalog import is_catalog_name
-from clef_gguf.lexical import LexicalRows, field_value, file_type_name, open_gguf
+from clef_gguf.lexical import LexicalRows
 from clef_gguf.request import Request, parse_request
-from clef_gguf.tower import Tower, check_header
+from clef_gguf.tower import Tower
 
 log = logging.getLogger("clef_gguf")
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
-TOWER_ARCH = "qwen35"
-BACKEND = "llama-cpp-python"
 
 
 @dataclass(frozen=True)
@@ -49,7 +47,8 @@ class Prepared:
 def resolve(model: str | Path | None = None, *, gguf: str | Path | None = None,
             head: str | Path | None = None, head_config: str | Path | None = None,
             tokenizer: str | Path | None = None, allow_download: bool = False,
-            context_tokens: int = DEFAULT_MAX_LENGTH) -> model_files.ModelFiles:
+            context_tokens: int = DEFAULT_MAX_LENGTH,
+            backend: str | None = None) -> model_files.ModelFiles:
     """A model directory, a .gguf beside its head files, explicit paths, or a catalog name."""
     explicit = {"tower": gguf, "head_weights": head, "head_config": head_config,
                 "tokenizer": tokenizer}
@@ -65,7 +64,7 @@ def resolve(model: str | Path | None = None, *, gguf: str | Path | None = None,
         return found
     path = Path(model)
     if path.is_dir():
-        found = model_files.from_directory(path)
+        found = model_files.from_directory(path, backend=backend)
     elif path.suffix == ".gguf":
         d = path.parent
         found = model_files.ModelFiles(path, d / model_files.HEAD_WEIGHTS,
@@ -88,26 +87,6 @@ def resolve(model: str | Path | None = None, *, gguf: str | Path | None = None,
     return found
 
 
-def _gpu_layers(asked: int | str | None, tower: Path, n_embd: int, context: int) -> int:
-    """``"all"`` -> -1, a count as given, ``"auto"``: the device policy's placement (all layers when
-    this build can offload and the model fits the GPU, else 0), as ``clef-gguf pick`` reports."""
-    if asked == "all":
-        return -1
-    if asked not in (None, "auto"):
-        return asked  # Tower.load checks it
-    from clef_gguf.tower import gpu_offload
-
-    if not gpu_offload():  # a CPU-only build: nothing to decide, and no probe to run
-        return 0
-    from clef_gguf.models import device
-    from clef_gguf.models.catalog import load_catalog
-
-    catalog = load_catalog()
-    family = next((f for f in catalog.families.values() if f.architecture.hidden_size == n_embd),
-                  catalog.family("clef-flash"))  # an unknown model: Clef-Flash's memory model
-    return device.gpu_layers(device.probe(), tower.stat().st_size, family, context_tokens=context)
-
-
 class Clef:
     """A loaded Clef model: ``decide(request) -> SystemOne response dict``."""
 
@@ -128,7 +107,10 @@ class Clef:
              max_length: int = DEFAULT_MAX_LENGTH, precision: str = "fp32",
              allow_download: bool = False, strict: bool = False,
              state_cache_mb: float = statecache.DEFAULT_MB,
-             gpu_layers: int | str = "auto", head_threads: int | None = None) -> Clef:
+             gpu_layers: int | str = "auto", head_threads: int | None = None,
+             backend: str | None = None) -> Clef:
+        """``backend``: ``gguf`` (llama.cpp) or ``nvfp4`` (a compressed-tensors checkpoint in
+        PyTorch); None or ``auto``: what the model's files are."""
         if precision not in PRECISIONS:
             raise errors.InvalidValue(f"precision must be one of {', '.join(PRECISIONS)}",
                                       field="precision")
@@ -140,17 +122,9 @@ class Clef:
                                       f"{state_cache_mb!r})", field="state_cache_mb")
         found = resolve(model, gguf=gguf, head=head, head_config=head_config,
                         tokenizer=tokenizer, allow_download=allow_download,
-                        context_tokens=max_length)
-        # gguf-py validates the whole file table first: llama.cpp aborts on some corrupt files.
-        reader = open_gguf(found.tower)
-        arch = field_value(reader, "general.architecture")
-        if arch != TOWER_ARCH:
-            raise errors.CorruptModel(
-                f"{found.tower.name} has architecture {arch!r}; clef-gguf runs {TOWER_ARCH!r} towers"
-                + (" (convert a native clef GGUF with `clef-gguf convert split`)" if arch == "clef"
-                   else ""), field="tower")
-        check_header(reader, found.tower)  # llama.cpp aborts on some bad hyperparameters
-        lexical = LexicalRows(reader)
+                        context_tokens=max_length, backend=backend)
+        opened = backends.open_tower_files(found, backend)
+        lexical = opened.lexical
         joint = load_head(found.head_config, found.head_weights, hidden_size=lexical.hidden_size,
                           dtype=PRECISIONS[precision])
         encoder = Encoder.from_file(found.tokenizer, max_length)
@@ -159,10 +133,9 @@ class Clef:
         n_ids = max(encoder.vocab_size, max(ids, default=0) + 1)
         if n_ids > lexical.vocab_size:
             raise errors.HeadMismatch(
-                f"the tokenizer has {n_ids} token ids but the GGUF vocab has only "
+                f"the tokenizer has {n_ids} token ids but the {opened.label} vocab has only "
                 f"{lexical.vocab_size}: they are not from the same release", field="tokenizer")
-        layers = _gpu_layers(gpu_layers, found.tower, lexical.hidden_size, max_length)
-        tower = Tower.load(found.tower, n_ctx=max_length, threads=threads, gpu_layers=layers)
+        tower = opened.load_tower(max_length, threads, gpu_layers)
         # The head runs after the tower on the same cores: torch gets as many threads as the
         # tower, not its default of every core (process-wide: torch has one intra-op pool).
         torch.set_num_threads(head_threads or tower.threads)
@@ -170,16 +143,18 @@ class Clef:
             tower.close()
             raise errors.CorruptModel(f"n_embd {tower.n_embd} != lm_head width "
                                       f"{lexical.hidden_size}", field="tower")
-        model_hash = found.sha256_of(found.tower)  # the file that runs, not the one a manifest named
-        quant = file_type_name(reader)
-        provenance = answer.Provenance(found.name, model_hash, BACKEND, quant, TEMPLATE_SHA256)
+        model_hash = opened.model_hash()  # the files that run, not the ones a manifest named
+        quant = opened.quant
+        provenance = answer.Provenance(found.name, model_hash, opened.runner, quant, TEMPLATE_SHA256)
         info = {"name": found.name, "quant": quant, "revision": found.revision,
                 "files": {p.name: found.known_sha256(p) for p in found.paths().values()}
                 | {found.tower.name: model_hash},
-                "backend": BACKEND, "precision": quant, "head_dtype": precision,
-                "max_length": max_length, "n_embd": tower.n_embd, "lexical_rows": lexical.type.name,
+                "backend": opened.runner, "precision": quant, "head_dtype": precision,
+                "max_length": max_length, "n_embd": tower.n_embd, "lexical_rows": lexical.type_name,
                 "lm_head_avoided": tower.uses_nextn, "gpu_layers": tower.gpu_layers,
                 "threads": tower.threads, "head_threads": torch.get_num_threads()}
+        if opened.backend == "nvfp4":
+            info |= {"kernel": tower.kernel, "device": tower.device}
         log.info("loaded %s (%s, n_embd %d) on %s, head scalars %s", found.tower.name, quant,
                  tower.n_embd, "the GPU" if tower.gpu_layers else "the CPU", head_scalars(joint))
         return cls(found, tower, lexical, joint, encoder, provenance, info, strict=strict,
@@ -228,25 +203,27 @@ class Clef:
         return self.run(self.prepare(request, truncate_state=truncate_state, strict=strict))[0]
 
     def decide_many(self, requests: Iterable[Any], *, truncate_state: bool = False,
-                    window: int = 64) -> Iterator[dict]:
+                    window: int = 64, pack: int | None = None) -> Iterator[dict]:
         """One response per request, in input order, as a generator; a request that fails gives
         ``{"error": {code, message, field}}`` in its place instead of stopping the rest.
 
         Within each ``window`` of requests, those about the same state run one after another, so
-        its ``[prefix][state]`` is decoded once and restored for the others (the state cache)."""
+        its ``[prefix][state]`` is decoded once and restored for the others (the state cache).
+        ``pack``: prompts the tower decodes together per llama_decode (see :meth:`run_many`)."""
         if not isinstance(window, int) or window < 1:
             raise errors.InvalidValue(f"window must be a whole number >= 1 (got {window!r})",
                                       field="window")
+        self._check_pack(pack)
         pending: list[Any] = []
         for request in requests:
             pending.append(request)
             if len(pending) == window:
-                yield from self._many(pending, truncate_state)
+                yield from self._many(pending, truncate_state, pack)
                 pending = []
         if pending:
-            yield from self._many(pending, truncate_state)
+            yield from self._many(pending, truncate_state, pack)
 
-    def _many(self, requests: list[Any], truncate_state: bool) -> list[dict]:
+    def _many(self, requests: list[Any], truncate_state: bool, pack: int | None = None) -> list[dict]:
         results: list[dict | None] = [None] * len(requests)
         prepared: dict[int, Prepared] = {}
         for i, request in enumerate(requests):
@@ -259,12 +236,77 @@ class Clef:
             enc = prepared[i].encoded
             return enc.ids[:enc.prefix_tokens + enc.state_tokens].tobytes()
 
-        for i in sorted(prepared, key=state_of):  # stable: input order within one state
-            try:
-                results[i] = self.run(prepared[i])[0]
-            except errors.ClefError as exc:
-                results[i] = exc.to_dict()
+        order = sorted(prepared, key=state_of)  # stable: input order within one state
+        for i, out in zip(order, self.run_many([prepared[i] for i in order], pack=pack)):
+            results[i] = out.to_dict() if isinstance(out, errors.ClefError) else out[0]
         return results
+
+    def run_many(self, prepared: list[Prepared], *, pack: int | None = None
+                 ) -> list[tuple[dict, dict[str, float]] | errors.ClefError]:
+        """``run`` for several prepared requests, in order: ``(response, timings)`` each, or the
+        ClefError it raised (the others still run). The tower decodes up to ``pack`` prompts per
+        llama_decode (None: its policy, ``tower.PACKING``; 1: one at a time, exactly ``run``); the
+        answers are the same either way. A packed request's ``tower`` time is its share of the
+        packed decode."""
+        self._check_pack(pack)
+        many = getattr(self.tower, "forward_many", None)  # towers of other backends run one by one
+        if pack == 1 or many is None or len(prepared) < 2:
+            return [self._run_or_error(p) for p in prepared]
+        t0 = time.perf_counter()
+        towers = many([(p.encoded.ids, p.encoded.prefix_tokens, p.encoded.state_tokens)
+                       for p in prepared], self.state_cache, pack=pack)
+        share = (time.perf_counter() - t0) * 1e3 / len(prepared)
+        out: list[tuple[dict, dict[str, float]] | errors.ClefError] = []
+        for p, tower in zip(prepared, towers):
+            if isinstance(tower, errors.ClefError):
+                out.append(tower)
+                continue
+            try:
+                out.append(self._answer(p, *tower, share))
+            except errors.ClefError as exc:
+                out.append(exc)
+        return out
+
+    @staticmethod
+    def _check_pack(pack: Any) -> None:
+        if pack is not None and (not isinstance(pack, int) or isinstance(pack, bool) or pack < 1):
+            raise errors.InvalidValue(f"pack must be a whole number >= 1 (got {pack!r})", field="pack")
+
+    def _run_or_error(self, prepared: Prepared) -> tuple[dict, dict[str, float]] | errors.ClefError:
+        try:
+            return self.run(prepared)
+        except errors.ClefError as exc:
+            return exc
+
+    def _head_logits(self, enc: Encoded, hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
+        """(flat fp32 logits, option token ids, perf_counter after the lexical rows) of ``hidden``."""
+        option_ids = enc.option_token_ids()
+        rows = self.lexical.rows(option_ids)
+        t = time.perf_counter()
+        with torch.inference_mode():
+            logits = self.head(torch.from_numpy(hidden), torch.from_numpy(rows).to(self.head_dtype),
+                               list(enc.question_spans), list(enc.option_spans),
+                               list(enc.option_counts), list(enc.types))
+        return logits.float().numpy(), option_ids, t
+
+    def _answer(self, prepared: Prepared, hidden: np.ndarray, cached: int,
+                tower_ms: float) -> tuple[dict, dict[str, float]]:
+        """What ``run`` does after the tower (lexical rows, head, answer), on given hidden states."""
+        enc = prepared.encoded
+        t1 = time.perf_counter()
+        logits, option_ids, t2 = self._head_logits(enc, hidden)
+        t3 = time.perf_counter()
+        probs = answer.split_probabilities(logits, enc.option_counts)
+        response = answer.envelope(prepared.request, probs, enc.n_tokens, self.provenance,
+                                   truncated=enc.truncated, option_token_ids=option_ids,
+                                   cached_tokens=cached)
+        t4 = time.perf_counter()
+        ms = lambda a, b: round((b - a) * 1e3, 3)  # noqa: E731
+        timings = {"encode": round(prepared.encode_ms, 3), "tower": round(tower_ms, 3),
+                   "lexical": ms(t1, t2), "head": ms(t2, t3), "answer": ms(t3, t4),
+                   "total": round(prepared.encode_ms + tower_ms + (t4 - t1) * 1e3, 3),
+                   "tokens": enc.n_tokens}
+        return response, timings
 
     def probabilities(self, request: Any, *, truncate_state: bool = False) -> list[np.ndarray]:
         """Unrounded fp32 probabilities per question, in prompt option order (parity checks)."""

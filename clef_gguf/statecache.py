@@ -56,6 +56,11 @@ class StateCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def __contains__(self, key: bytes) -> bool:
+        """Whether ``key`` is held, without counting a hit or refreshing it (planning only)."""
+        with self._lock:
+            return key in self._entries
+
     @staticmethod
     def key(kind: str, ids: np.ndarray) -> bytes:
         return kind.encode() + b":" + ids.astype("<i4", copy=False).tobytes()

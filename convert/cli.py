@@ -16,15 +16,18 @@ import time
 from pathlib import Path
 
 from clef_gguf.argtypes import positive_int
-from clef_gguf import files
+from clef_gguf import errors, files
 from clef_gguf.convert import quantize
 from clef_gguf.convert.release import convert_release, tower_name
 from clef_gguf.convert.tiny import PRESETS, build_release
 
 RANDOM_WARNING = "RANDOM WEIGHTS - for testing the pipeline only; the answers mean nothing."
-OUTTYPE_HELP = ("f32 (default), f16, bf16, q8_0 (written directly; norms and 1-D tensors stay f32), or "
+OUTTYPE_HELP = ("f32 (default), f16, bf16, q8_0 (written directly; norms and 1-D tensors stay f32), "
                 "a quant made by llama.cpp's quantizer, any case: "
-                + ", ".join(t for t in quantize.PUBLISHED if t not in ("BF16", "Q8_0")))
+                + ", ".join(t for t in quantize.PUBLISHED if t not in ("BF16", "Q8_0"))
+                + "; or nvfp4a16 (FP4 weights) / nvfp4 (FP4 weights and activations, calibrated "
+                "on built-in prompts): a compressed-tensors checkpoint for `--backend nvfp4`")
+NVFP4_SCHEMES = ("nvfp4a16", "nvfp4")
 
 
 def add_convert_arguments(p: argparse.ArgumentParser) -> None:
@@ -53,6 +56,8 @@ def _summary(out: Path, outtype: str, seconds: float, **extra) -> str:
 
 def run_convert(args: argparse.Namespace) -> int:
     start = time.perf_counter()
+    if args.outtype.strip().lower() in NVFP4_SCHEMES:
+        return _run_nvfp4(args, start)
     outtype = quantize.canonical_outtype(args.outtype)
     options = {"imatrix": args.imatrix, "output_type": args.output_type,
                "token_embedding_type": args.token_embedding_type, "threads": args.threads}
@@ -64,6 +69,22 @@ def run_convert(args: argparse.Namespace) -> int:
     else:
         out = convert_release(src, args.out, outtype=outtype, name=args.name, **options)
     print(_summary(out, outtype, time.perf_counter() - start, **extra))
+    return 0
+
+
+def _run_nvfp4(args: argparse.Namespace, start: float) -> int:
+    from clef_gguf.convert.nvfp4 import quantize_release  # torch + compressed-tensors: only here
+
+    scheme = args.outtype.strip().lower()
+    given = [flag for flag, value in (("--imatrix", args.imatrix), ("--output-type", args.output_type),
+                                      ("--token-embedding-type", args.token_embedding_type),
+                                      ("--threads", args.threads)) if value is not None]
+    if given:
+        raise errors.ConversionError(f"{', '.join(given)} apply to llama.cpp quant types, not to {scheme}")
+    out = quantize_release(args.src, args.out, scheme=scheme, name=args.name)
+    print(json.dumps({"model_dir": str(out), "tower": str(out / files.CHECKPOINT_CONFIG),
+                      "outtype": scheme, "backend": "nvfp4",
+                      "seconds": round(time.perf_counter() - start, 3)}, indent=2))
     return 0
 
 

@@ -72,6 +72,13 @@ PRESETS: dict[str, dict] = {
                    mrope=[11, 11, 10], rope_theta=10_000_000.0, max_pos=262144, shards=2,
                    head=dict(hidden_size=1024, width=256, routing_layers=2, layers=4, heads=4,
                              feedforward=1024)),
+    # Qwen3.5-0.8B's shape (hidden 1024, 24 layers 3:1, ffn 3584, 16/16 linear heads of 128, the
+    # full 248,320 vocab): the GPU check's latency model for the nvfp4 backend. Writes ~1.7 GB.
+    "qwen08b": dict(hidden=1024, layers=24, interval=4, ffn=3584, heads=8, kv_heads=2, head_dim=256,
+                    lin_k_heads=16, lin_v_heads=16, lin_head_dim=128, bpe_vocab=512, vocab_size=248320,
+                    mrope=[11, 11, 10], rope_theta=10_000_000.0, max_pos=262144, shards=2,
+                    head=dict(hidden_size=1024, width=256, routing_layers=2, layers=4, heads=4,
+                              feedforward=1024)),
 }
 
 

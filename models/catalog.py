@@ -7,6 +7,11 @@ estimate is labelled as one), no hash is assumed, an unpinned source is reported
 
 Names: ``FAMILY[:QUANT][@SOURCE]``. ``clef-flash`` alone means ``clef-flash:auto`` (pick by device);
 ``@SOURCE`` (an alias such as ``bartowski``) forces one repository instead of the preference order.
+QUANT is a GGUF quant type (``Q4_K_M``) or, for the nvfp4 backend, the scheme of a compressed-tensors
+checkpoint (``NVFP4A16`` weights-only, ``NVFP4`` W4A4): ``clef-flash:nvfp4a16``, ``clef-flash:nvfp4``,
+``clef:nvfp4``. Such a checkpoint is a whole repository directory, not one file, and ``auto`` never
+picks one (the backend is opt-in by name); ``clef-flash@nvfp4`` (a checkpoint source, no quant) means
+its one scheme.
 """
 
 from __future__ import annotations
@@ -48,6 +53,30 @@ class FileEntry:
 
 
 @dataclass(frozen=True)
+class Checkpoint:
+    """A safetensors checkpoint directory (role nvfp4): the :QUANT naming it, what a pull downloads,
+    and the memory figures ``pick`` budgets with (catalog.json says where each comes from)."""
+
+    quant: str  # NVFP4A16, NVFP4
+    scheme: str  # W4A16, W4A4
+    allow_patterns: tuple[str, ...]
+    required: tuple[str, ...]
+    weights: str  # fnmatch pattern of the weight files
+    index: str  # the sharded checkpoint's index file name
+    quantized_weights_bytes: int  # packed FP4 layers as they sit in device memory
+    bf16_weights_bytes: int  # tensors kept in bf16 on the device (embed_tokens), on top of the packed ones
+    dequant_scratch_bytes: int  # the one dense layer the dequantizing fallback holds at a time
+    size_gb: float | None = None  # the repository on disk, as printed (or proxied, see size_basis)
+    size_basis: str | None = None
+
+    def known_size(self) -> tuple[int, str] | None:
+        """(bytes, basis) of the download, or None if no figure is known."""
+        if self.size_gb is None:
+            return None
+        return int(round(self.size_gb * 1e9)), self.size_basis or "card"
+
+
+@dataclass(frozen=True)
 class Source:
     id: str
     family: str
@@ -60,6 +89,11 @@ class Source:
     # repository listing at pull time rather than guessed here.
     file_pattern: str | None = None
     evidence: str = ""
+    checkpoint: Checkpoint | None = None  # role nvfp4 only
+
+    @property
+    def backend(self) -> str:
+        return "nvfp4" if self.role == "nvfp4" else "gguf"
 
     @property
     def pinned(self) -> bool:
@@ -67,6 +101,8 @@ class Source:
 
     @property
     def quants(self) -> tuple[str, ...]:
+        if self.checkpoint is not None:
+            return (self.checkpoint.quant,)
         return tuple(self.files) if self.role in ("tower", "native") else ()
 
     def entry(self, key: str) -> FileEntry:
@@ -123,11 +159,20 @@ class Family:
     def sources(self) -> tuple[Source, ...]:
         return (self.head_source, *self.tower_sources, *self.other_sources)
 
+    @property
+    def checkpoint_sources(self) -> tuple[Source, ...]:
+        """Sources of whole checkpoint directories (the nvfp4 backend), pulled by name only."""
+        return tuple(s for s in self.other_sources if s.checkpoint is not None)
+
     def quants(self) -> list[str]:
-        """Quant types some tower source offers, best quality first."""
+        """GGUF quant types some tower source offers, best quality first (what ``auto`` picks from)."""
         offered = {q for s in self.tower_sources for q in s.quants}
         ranked = [q for q in self.quality_order if q in offered]
         return ranked + sorted(offered - set(ranked))
+
+    def checkpoint_quants(self) -> list[str]:
+        """The nvfp4 schemes a name can ask for (``clef-flash:NVFP4A16``), in catalog order."""
+        return list(dict.fromkeys(s.checkpoint.quant for s in self.checkpoint_sources))
 
     def source(self, alias: str) -> Source:
         for src in self.sources:
@@ -137,22 +182,29 @@ class Family:
                             f"{', '.join(s.alias for s in self.sources[1:])}", field="model")
 
     def tower_source(self, quant: str, alias: str | None = None) -> Source:
-        """The repository a quant is pulled from: the forced alias, else the first (pinned first) source."""
+        """The repository a quant is pulled from: the forced alias, else the first (pinned first) source.
+
+        Without an alias a GGUF quant comes from a tower source (a native file only by @alias) and an
+        nvfp4 scheme from a checkpoint source."""
         if alias is not None:
             src = self.source(alias)
             if quant not in src.quants:
                 raise ModelNotFound(f"{src.repo} has no {quant} in the catalog; it offers: "
                                     f"{', '.join(src.quants) or 'no GGUF quants'}", field="model")
             return src
-        for src in sorted(self.tower_sources, key=lambda s: not s.pinned):
+        for src in sorted((*self.tower_sources, *self.checkpoint_sources), key=lambda s: not s.pinned):
             if quant in src.quants:
                 return src
         raise ModelNotFound(f"unknown quant {quant!r} for {self.name}; available: "
-                            f"{', '.join(self.quants())}", field="model")
+                            f"{', '.join(self.quants() + self.checkpoint_quants())}", field="model")
 
     def tower_size(self, quant: str, alias: str | None = None) -> tuple[int, str]:
         """(bytes, basis) of a tower file: known from any source (same model, same type), else estimated."""
         preferred = self.tower_source(quant, alias)
+        if preferred.checkpoint is not None:  # a whole repository: the figure its card gives, if any
+            if known := preferred.checkpoint.known_size():
+                return known
+            raise ModelNotFound(f"no size is known for {preferred.repo}", field="model")
         if known := preferred.files[quant].known_size():
             return known
         # Another repo's file of the same model and type is a close proxy (same tensors, same mix).
@@ -192,7 +244,9 @@ class Catalog:
     def from_dict(cls, data: dict) -> Catalog:
         if data.get("format") != CATALOG_FORMAT:
             raise ModelNotFound(f"model catalog is not {CATALOG_FORMAT}", field="catalog")
-        sources = {sid: _source(sid, raw) for sid, raw in data["sources"].items()}
+        # Only needed when a source is a checkpoint: an older catalog without one needs no section.
+        layout = {k: v for k, v in data.get("checkpoint_files", {}).items() if k != "comment"}
+        sources = {sid: _source(sid, raw, layout) for sid, raw in data["sources"].items()}
         order = tuple(data["quant_types"]["order"])
         bpw = {k: float(v) for k, v in data["quant_types"]["bpw"].items()}
         families = {}
@@ -244,7 +298,9 @@ class Catalog:
         family = self.family(fam_name.strip())
         wanted = normalize_quant(quant or in_name or AUTO)
         if alias is not None:
-            family.source(alias)  # validates the alias
+            src = family.source(alias)  # validates the alias
+            if wanted == AUTO and src.checkpoint is not None:
+                wanted = src.checkpoint.quant  # auto chooses among GGUF quants; a checkpoint has one
         if wanted != AUTO:
             family.tower_source(wanted, alias)  # validates the quant (and that the source offers it)
         return ModelRef(family=family.name, quant=wanted, source=alias)
@@ -258,10 +314,23 @@ def normalize_quant(quant: str) -> str:
     return q.upper()
 
 
-def _source(sid: str, raw: dict) -> Source:
+def _checkpoint(raw: dict | None, layout: dict) -> Checkpoint | None:
+    if raw is None:
+        return None
+    merged = {**layout, **{k: v for k, v in raw.items() if k != "comment"}}  # a source may override the layout
+    for key in ("allow_patterns", "required"):
+        merged[key] = tuple(merged[key])
+    merged["quant"] = normalize_quant(merged["quant"])
+    return Checkpoint(**merged)
+
+
+def _source(sid: str, raw: dict, layout: dict | None = None) -> Source:
     role = raw["role"]
     if role not in ROLES:
         raise KeyError(f"source {sid}: unknown role {role!r}")
+    checkpoint = _checkpoint(raw.get("checkpoint"), layout or {})
+    if checkpoint is not None and role != "nvfp4":
+        raise KeyError(f"source {sid}: only an nvfp4 source is a checkpoint")
     files = {key: FileEntry(key=key, file=f.get("file"), size=f.get("size"), size_gb=f.get("size_gb"),
                             sha256=(f.get("sha256") or None) and f["sha256"].lower())
              for key, f in raw.get("files", {}).items()}
@@ -269,7 +338,7 @@ def _source(sid: str, raw: dict) -> Source:
         raise KeyError(f"source {sid}: a head source lists exactly {', '.join(HEAD_KEYS)}")
     return Source(id=sid, family=raw["family"], alias=raw["alias"].lower(), role=role, repo=raw["repo"],
                   revision=raw.get("revision"), files=files, file_pattern=raw.get("file_pattern"),
-                  evidence=raw.get("evidence", ""))
+                  evidence=raw.get("evidence", ""), checkpoint=checkpoint)
 
 
 @lru_cache(maxsize=8)

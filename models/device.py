@@ -11,6 +11,11 @@ Memory model for one decision context (all figures from the catalog's family ent
   + head (bf16) + dequantized lexical rows + llama.cpp compute buffer + Python/torch runtime,
 against min(available RAM - headroom, total RAM - a reserve for the OS). On a GPU with enough VRAM the tower,
 KV, recurrent state and compute buffer go to VRAM instead and the host keeps the rest.
+
+NVFP4 checkpoints (the nvfp4 backend, PyTorch on CUDA) are listed beside the GGUF quants, never
+chosen by ``auto``: on a GPU with FP4 tensor cores (Blackwell) a W4A4 checkpoint runs FP4 GEMMs;
+elsewhere, and W4A16 everywhere, the backend dequantizes one layer at a time. Either way the packed
+weights stay 4-bit in memory, which is what their need is budgeted for.
 """
 
 from __future__ import annotations
@@ -29,13 +34,20 @@ from clef_gguf.models.catalog import Catalog, Family, load_catalog
 
 GiB = 1 << 30
 MiB = 1 << 20
-DEFAULT_CONTEXT = 16384  # the reference implementation's window (design/clef-reference.md section 11)
+DEFAULT_CONTEXT = 16384  # the reference implementation's window (docs/design/clef-reference.md §11)
 # A size that is only estimated gets a safety margin, so "fits" stays true when the real file arrives.
 SIZE_MARGIN = {"exact": 1.0, "card": 1.0, "proxy": 1.03, "estimate": 1.10}
 GPU_RESERVE = 512 * MiB  # CUDA context and allocator slack, which never show up as model memory
 # Not picked for CPU placement: llama.cpp's CPU path streams every weight per token, so BF16 costs twice
-# Q8_0's time for agreement Q8_0 already reaches (max |dp| 0.014 vs the bf16 reference, landscape.md 6).
+# Q8_0's time for agreement Q8_0 already reaches (max |dp| 0.014 vs the bf16 reference, docs/design/landscape.md §6).
 CPU_SKIP = frozenset({"BF16"})
+# Compute capability majors with FP4 tensor cores (docs/design/nvfp4.md §3): sm_100/103 (B200, B300,
+# GB200/GB300), sm_110 (Jetson Thor), sm_120/121 (RTX 50xx, RTX PRO Blackwell, DGX Spark). Hopper (9.0)
+# and older have no FP4 MMA, so the nvfp4 backend dequantizes there (section 4).
+NATIVE_FP4_MAJORS = frozenset({10, 11, 12})
+# Schemes the nvfp4 backend runs on FP4 tensor cores there: an FP4 GEMM needs FP4 activations, so W4A16
+# dequantizes layer by layer on every device (clef_gguf/nvfp4/kernels.py, kernel_name).
+NATIVE_SCHEMES = frozenset({"W4A4"})
 
 
 class NoQuantFits(ModelLoadError):
@@ -50,6 +62,7 @@ class GPU:
     name: str
     vram_total: int
     vram_free: int | None = None
+    compute_capability: str | None = None  # "12.0" (nvidia-smi compute_cap); None: not reported
 
 
 @dataclass(frozen=True)
@@ -101,6 +114,25 @@ class Candidate:
 
 
 @dataclass(frozen=True)
+class CheckpointCandidate:
+    """An NVFP4 checkpoint on this machine: listed by ``pick``, pulled by name, never chosen by auto."""
+
+    name: str  # clef-flash:NVFP4A16
+    quant: str
+    source: str
+    repo: str
+    size_bytes: int | None  # the download (the repository on disk); None: not published
+    size_basis: str | None
+    mode: str  # "native" (FP4 tensor cores) | "fallback" (dequantized to bf16 on the GPU) | "cpu"
+    gpu: int | None
+    need_bytes: int  # GPU memory in that mode (RAM for "cpu")
+    budget_bytes: int
+    fits: bool
+    suitable: bool  # a CUDA GPU runs it and it fits: worth pulling by name
+    reason: str
+
+
+@dataclass(frozen=True)
 class Recommendation:
     family: str
     quant: str | None
@@ -112,6 +144,7 @@ class Recommendation:
     reason: str
     breakdown: dict[str, int] = field(default_factory=dict)
     candidates: tuple[Candidate, ...] = ()
+    nvfp4: tuple[CheckpointCandidate, ...] = ()  # by name only: not part of the choice above
 
     @property
     def ok(self) -> bool:
@@ -175,6 +208,7 @@ def recommend(profile: DeviceProfile, family: Family | str = "clef-flash", *,
     breakdown["free_headroom"] = free_headroom(profile.total_ram)
     host = host_budget(profile)
     gpu, gpu_budget = _gpu_budget(profile)
+    nvfp4 = checkpoint_candidates(profile, family, context_tokens=context_tokens, sequences=sequences)
 
     candidates = []
     for quant in family.quants():
@@ -204,7 +238,7 @@ def recommend(profile: DeviceProfile, family: Family | str = "clef-flash", *,
                   + (f" and {_gb(gpu_budget)} of VRAM" if gpu_budget else "") + f".{hint}"
                   " Free memory, use a smaller context, or a machine with more memory.")
         return Recommendation(family.name, None, None, None, context_tokens, host, None, reason,
-                              breakdown, tuple(candidates))
+                              breakdown, tuple(candidates), nvfp4)
 
     placement = "gpu" if chosen.fits_gpu else "cpu"
     budget = gpu_budget if placement == "gpu" else host
@@ -238,7 +272,92 @@ def recommend(profile: DeviceProfile, family: Family | str = "clef-flash", *,
         reason += " A GPU is present but this llama-cpp-python build cannot offload, so RAM was used."
     reason += _cpu_note(profile, placement)
     return Recommendation(family.name, chosen.quant, chosen.source, placement, context_tokens, budget, need,
-                          reason, breakdown, tuple(candidates))
+                          reason, breakdown, tuple(candidates), nvfp4)
+
+
+def native_fp4(gpu: GPU) -> bool | None:
+    """True: the GPU has FP4 tensor cores (Blackwell); False: it has none; None: compute capability
+    not reported (an old driver), so nobody can tell."""
+    try:
+        return int(str(gpu.compute_capability).split(".")[0]) in NATIVE_FP4_MAJORS
+    except ValueError:
+        return None
+
+
+def fp4_note(gpu: GPU) -> str:
+    """Whether ``gpu`` has native FP4, in words."""
+    native, cc = native_fp4(gpu), gpu.compute_capability
+    if native:
+        return f"native FP4 (Blackwell, compute capability {cc})"
+    if native is False:
+        return f"dequantizing fallback (no FP4 tensor cores: {gpu.name}, cc {cc})"
+    return f"dequantizing fallback assumed (compute capability not reported: {gpu.name})"
+
+
+def _mode_note(gpu: GPU, scheme: str) -> tuple[bool, str]:
+    """(runs on FP4 tensor cores, how the nvfp4 backend runs ``scheme`` on ``gpu``, in words)."""
+    if native_fp4(gpu) and scheme not in NATIVE_SCHEMES:
+        return False, (f"dequantizing fallback, layer by layer: {scheme} has no FP4 GEMM (its activations stay "
+                       f"bf16) although this GPU has native FP4 (Blackwell, compute capability "
+                       f"{gpu.compute_capability})")
+    native = bool(native_fp4(gpu))
+    return native, fp4_note(gpu) + ("" if native else ", layer by layer")
+
+
+def checkpoint_candidates(profile: DeviceProfile, family: Family, *, context_tokens: int = DEFAULT_CONTEXT,
+                          sequences: int = 1) -> tuple[CheckpointCandidate, ...]:
+    """Each NVFP4 checkpoint of ``family`` on ``profile``: its mode, memory need, and whether it fits.
+
+    Device memory: the packed FP4 layers and the bf16 embeddings as they are stored (the backend never
+    makes a dense copy of the model), one dense layer at a time where it dequantizes, plus head, KV,
+    recurrent state and compute; the host keeps the lexical rows and the Python runtime. Without a
+    CUDA GPU none is suitable: the CPU fallback dequantizes every layer at every call, far slower
+    than a GGUF quant of the same size."""
+    mem = family.memory
+    ctx = f"{context_tokens:,} tokens of context"
+    state = mem.kv_bytes_per_token * context_tokens + mem.recurrent_bytes_per_sequence * sequences
+    extras = mem.head_bytes + state + mem.compute_bytes
+    host_side = mem.lexical_rows_bytes + mem.runtime_bytes
+    host = host_budget(profile)
+    # PyTorch uses the GPU whatever llama.cpp's build can do; Apple's unified-memory GPU is not CUDA.
+    gpus = () if profile.unified_memory else profile.gpus
+    out = []
+    for src in family.checkpoint_sources:
+        ck = src.checkpoint
+        size, basis = ck.known_size() or (None, None)
+        name = f"{family.name}:{ck.quant}"
+        common = dict(name=name, quant=ck.quant, source=src.alias, repo=src.repo, size_bytes=size,
+                      size_basis=basis)
+        stored = ck.quantized_weights_bytes + ck.bf16_weights_bytes
+        if not gpus:
+            need = stored + ck.dequant_scratch_bytes + extras + host_side
+            out.append(CheckpointCandidate(
+                **common, mode="cpu", gpu=None, need_bytes=need, budget_bytes=host, fits=need <= host,
+                suitable=False, reason=(f"{name} ({ck.scheme}) is not suitable here: no CUDA GPU, so the nvfp4 "
+                                        "backend would run its dequantizing fallback on the CPU (slow; "
+                                        f"{_gb(need)} of RAM at {ctx}); use a GGUF quant.")))
+            continue
+        options = []
+        for gpu in gpus:
+            native, how = _mode_note(gpu, ck.scheme)
+            need = stored + (0 if native else ck.dequant_scratch_bytes) + extras
+            budget = max(0, (gpu.vram_free if gpu.vram_free is not None else gpu.vram_total) - GPU_RESERVE)
+            options.append((need <= budget and host_side <= host, native, budget, gpu, need, how))
+        fits, native, budget, gpu, need, how = max(options, key=lambda o: o[:3])
+        parts = (f"packed FP4 {_gb(ck.quantized_weights_bytes)} + bf16 embeddings {_gb(ck.bf16_weights_bytes)}"
+                 + ("" if native else f" + one dequantized layer {_gb(ck.dequant_scratch_bytes)}")
+                 + f" + head {_gb(mem.head_bytes)} + KV and recurrent state {_gb(state)}"
+                 + f" + compute {_gb(mem.compute_bytes)}")
+        reason = (f"{name} ({ck.scheme}, by name only) {'fits' if fits else 'does not fit'}: {how}; it needs "
+                  f"{_gb(need)} of GPU memory at {ctx} ({parts}) of {_gb(budget)} usable on GPU {gpu.index} "
+                  f"({gpu.name}).")
+        if fits and not native:
+            reason += (" Slower than FP4 tensor cores" + (", with W4A4's activations fake-quantized (same numbers)."
+                                                          if ck.scheme in NATIVE_SCHEMES else "."))
+        out.append(CheckpointCandidate(**common, mode="native" if native else "fallback", gpu=gpu.index,
+                                       need_bytes=need, budget_bytes=budget, fits=fits, suitable=fits,
+                                       reason=reason))
+    return tuple(out)
 
 
 def _gpu_budget(profile: DeviceProfile) -> tuple[GPU | None, int]:
@@ -340,22 +459,32 @@ def _cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
     return frozenset({"neon"}) if platform.machine().lower() in ("arm64", "aarch64") else frozenset()
 
 
+GPU_QUERY = "index,name,memory.total,memory.free"
+
+
 def _nvidia_gpus() -> tuple[GPU, ...]:
     exe = shutil.which("nvidia-smi")
     if not exe:
         return ()
-    try:
-        out = subprocess.run([exe, "--query-gpu=index,name,memory.total,memory.free",
-                              "--format=csv,noheader,nounits"], capture_output=True, text=True,
-                             timeout=10, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
+    out = None
+    # compute_cap (whether the GPU has FP4 tensor cores) is a newer field: a driver that does not
+    # know it rejects the whole query, so ask again without it rather than lose the GPUs.
+    for query in (GPU_QUERY + ",compute_cap", GPU_QUERY):
+        try:
+            out = subprocess.run([exe, f"--query-gpu={query}", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=10, check=True).stdout
+            break
+        except (OSError, subprocess.SubprocessError):
+            continue
+    if out is None:
         return ()
     gpus = []
     for line in out.strip().splitlines():
         parts = [p.strip() for p in line.split(",")]
         try:
+            cc = parts[4] if len(parts) > 4 and parts[4] not in ("", "[N/A]") else None
             gpus.append(GPU(int(parts[0]), parts[1], int(float(parts[2])) * MiB,
-                            int(float(parts[3])) * MiB if parts[3] not in ("", "[N/A]") else None))
+                            int(float(parts[3])) * MiB if parts[3] not in ("", "[N/A]") else None, cc))
         except (IndexError, ValueError):
             continue  # MIG or odd drivers print [N/A]; skip rather than guess
     return tuple(gpus)
@@ -388,6 +517,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--ctx", type=positive_int, default=DEFAULT_CONTEXT,
                         help=f"context tokens to budget KV for (default: {DEFAULT_CONTEXT})")
     parser.add_argument("--json", action="store_true", help="print the probe and recommendation as JSON")
+    parser.epilog = ("The recommendation is a GGUF quant. pick also lists the family's NVFP4 checkpoints "
+                     "(clef-flash:nvfp4a16, clef-flash:nvfp4, clef:nvfp4; the nvfp4 backend, PyTorch on "
+                     "CUDA) with their GPU memory need, and says whether this GPU runs FP4 natively "
+                     "(Blackwell, compute capability 10.x/11.x/12.x: W4A4 on FP4 tensor cores) or through "
+                     "the dequantizing fallback (other GPUs, and W4A16 everywhere). They are never chosen "
+                     "automatically: pull one by name.")
 
 
 def run(args) -> int:
@@ -403,7 +538,8 @@ def run(args) -> int:
     if profile.gpus:
         for g in profile.gpus:
             free = f", {_gb(g.vram_free)} free" if g.vram_free is not None else ""
-            print(f"GPU:  {g.index}: {g.name}, {_gb(g.vram_total)} VRAM{free}")
+            fp4 = "" if profile.unified_memory else f"; NVFP4: {fp4_note(g)}"
+            print(f"GPU:  {g.index}: {g.name}, {_gb(g.vram_total)} VRAM{free}{fp4}")
         offload = {True: "yes", False: "no (CPU-only build)", None: "unknown"}[profile.gpu_offload]
         print(f"      llama.cpp GPU offload: {offload}")
     else:
@@ -416,4 +552,10 @@ def run(args) -> int:
     else:
         print("Recommended: nothing fits")
     print(rec.reason)
+    if rec.nvfp4:
+        print()
+        print("NVFP4 checkpoints (nvfp4 backend; pulled by name, never chosen automatically):")
+        for c in rec.nvfp4:
+            mark = "+" if c.suitable else "-"
+            print(f"  {mark} {c.reason}")
     return 0 if rec.ok else 1

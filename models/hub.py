@@ -5,7 +5,10 @@ files land in the ordinary HF cache (shared with every other HF tool), tokens an
 usual, interrupted transfers are resumed by huggingface_hub, and its tqdm bars show progress. Every
 file is hash-checked before it is handed out and a bad one is removed, never used (``hfcache``).
 A source the catalog does not pin (``revision: null``) is pinned at its first pull (``hfcache``
-pins); a native clef-arch GGUF is split on download into a model directory this runtime loads.
+pins); a native clef-arch GGUF is split on download into a model directory this runtime loads. An
+NVFP4 checkpoint (role nvfp4) is a whole repository: its top-level checkpoint files are downloaded one
+by one through the same pinned, verified path into one snapshot directory, which the nvfp4 backend
+loads (``files.from_directory``).
 Environment (``HF_HOME``, ``HF_HUB_CACHE``, ``HF_HUB_OFFLINE``, ``HF_ENDPOINT``, ``HF_TOKEN``) is read
 at call time.
 """
@@ -27,12 +30,13 @@ from filelock import FileLock, Timeout
 from clef_gguf.argtypes import positive_int
 from clef_gguf.models.device import DEFAULT_CONTEXT, DeviceProfile, NoQuantFits, probe, recommend
 from clef_gguf.errors import ClefError, ConversionError, CorruptModel, ModelLoadError, ModelNotFound
-from clef_gguf.files import MANIFEST, ROLES, ModelFiles, from_directory, read_manifest
+from clef_gguf.files import (CHECKPOINT_CONFIG, MANIFEST, ROLES, ModelFiles, from_directory,
+                             is_compressed_tensors, read_manifest)
 from clef_gguf.models.hfcache import (COMMIT_RE, SHA256_RE, PinMismatch, cache_dir,
                                       changed_message, endpoint, moved_message, offline, pin,
                                       pinned_sha, pins_path, read_pins, record_pin, repo_dir,
                                       split_dir, stamp, token, verify)
-from clef_gguf.models.catalog import HEAD_KEYS, Catalog, Family, ModelRef, Source, load_catalog
+from clef_gguf.models.catalog import HEAD_KEYS, Catalog, Family, FileEntry, ModelRef, Source, load_catalog
 
 # A split copies the whole tower (GBs); a second process wanting the same split waits for it.
 SPLIT_LOCK_TIMEOUT_S = 3600
@@ -198,13 +202,15 @@ def _commit_of(path: Path) -> str | None:
 
 
 def _fetch(src: Source, key: str, *, name: str, local_only: bool, progress: bool,
-           check_main: bool = False, update: bool = False) -> tuple[Path, str]:
-    """(path, sha256) of one verified file of ``src``: ``key`` is a quant or a head role.
+           check_main: bool = False, update: bool = False,
+           entry: FileEntry | None = None) -> tuple[Path, str]:
+    """(path, sha256) of one verified file of ``src``: ``key`` is a quant or a head role, or, with
+    ``entry``, any file (one file of a checkpoint repository).
 
     ``name`` is the model name a PinMismatch tells the user to pull with --update. ``check_main``
     (pull): for a source pinned at first pull, ask the Hub where main is now and refuse a move;
     without it (resolve), the pinned commit is used as it is."""
-    entry = src.entry(key)
+    entry = entry or src.entry(key)
     label = f"{src.repo} / {entry.file or key}"
     if src.pinned:
         filename, expected = entry.file, entry.sha256
@@ -268,6 +274,8 @@ def pull_file(name: str, *, allow_download: bool = True, progress: bool = True, 
     if ref.auto:
         raise ModelNotFound("pull_file needs an explicit quant", field="model")
     src = family.source(ref.source) if ref.source else family.tower_source(ref.quant)
+    if src.checkpoint is not None:
+        raise ModelNotFound(f"{src.repo} is a checkpoint directory, not one file: use pull", field="model")
     return _fetch(src, ref.quant, name=f"{family.name}:{ref.quant}@{src.alias}",
                   local_only=not allow_download or offline(), progress=progress, check_main=True,
                   update=update)[0]
@@ -281,6 +289,8 @@ def _materialize(ref: ModelRef, family: Family, *, local_only: bool, progress: b
                update=update)
     if src.role == "native":
         return _materialize_native(src, ref.quant, **how)
+    if src.checkpoint is not None:
+        return _materialize_checkpoint(src, family, **how)
     if src.role != "tower":
         raise ModelNotFound(f"{src.repo} is a {src.role} checkpoint, not a GGUF this runtime loads", field="model")
     head = family.head_source
@@ -310,6 +320,166 @@ def _materialize_native(src: Source, quant: str, *, name: str, **how) -> ModelFi
     found = _split_once(native, out, name, f"{src.repo} / {native.name}")
     found.revision = f"{src.repo}@{commit} (native GGUF, split by clef-gguf)"
     return found
+
+
+def _checkpoint_commit(src: Source, *, name: str, local_only: bool, check_main: bool, update: bool) -> str:
+    """The commit a checkpoint is taken at: the catalog's, the first pull's pin, or (first pull, or a
+    pull checking the pin) the one main points to now, refused if it moved from the pin."""
+    if src.pinned:
+        return src.revision
+    held = pin(src.repo)
+    if local_only:  # a cache from before pins existed: what refs/main says; nothing: "main" fails clearly
+        return held["commit"] if held else _cached_main(src) or "main"
+    if held and not check_main:
+        return held["commit"]
+    from huggingface_hub.errors import EntryNotFoundError
+
+    probe = CHECKPOINT_CONFIG  # every checkpoint has one: its HEAD says where main is
+    with _hub_errors(src, "main", probe):
+        try:
+            commit, _, _ = _hub_file(src, probe, "main")
+        except EntryNotFoundError:
+            raise ModelNotFound(f"{src.repo} at main lacks {probe}: not a checkpoint clef-gguf can pull",
+                                field="model") from None
+    if not commit:
+        raise ModelNotFound(f"{endpoint() or 'the Hub'} did not say which commit {src.repo}'s main is "
+                            "(no X-Repo-Commit header), so it cannot be pinned", field="model")
+    if held and held["commit"] != commit and not update:
+        raise PinMismatch(moved_message(src.repo, held, commit, name), field="model")
+    return commit
+
+
+def _checkpoint_listing(src: Source, commit: str, *, local_only: bool) -> dict[str, tuple[str | None, int | None]]:
+    """file name -> (Hub LFS sha256 or None, size or None): the repository's top-level files at
+    ``commit`` that a pull takes. Offline: what the cached snapshot and the pin know of."""
+    ck = src.checkpoint
+    listed: dict[str, tuple[str | None, int | None]] = {}
+    if local_only:
+        snap = repo_dir(src.repo) / "snapshots" / commit
+        names = {p.name for p in snap.iterdir()} if snap.is_dir() else set()
+        held = None if src.pinned else pin(src.repo)
+        if held and held["commit"] == commit:
+            names |= set(held.get("files", {}))  # pulled files deleted since: fetching them says so
+        # The required files are named even if absent: fetching them gives the not-in-cache error.
+        listed = {n: (None, None) for n in names | set(ck.required)}
+    else:
+        from huggingface_hub import HfApi
+
+        with _hub_errors(src, commit, "(the file listing)"):
+            for item in HfApi(endpoint=endpoint(), token=token()).list_repo_tree(src.repo, revision=commit):
+                if hasattr(item, "size"):  # a file, not a folder
+                    lfs = getattr(item, "lfs", None)
+                    listed[item.path] = (lfs.sha256 if lfs else None, item.size)
+    # Top level only: the backend loads a flat checkpoint directory.
+    return {n: v for n, v in listed.items()
+            if "/" not in n and any(fnmatch.fnmatch(n, pat) for pat in ck.allow_patterns)}
+
+
+def _index_shards(path: Path, label: str) -> set[str]:
+    """The weight files a ``model.safetensors.index.json`` names."""
+    try:
+        weight_map = json.loads(path.read_bytes())["weight_map"]
+        shards = set(weight_map.values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CorruptModel(f"{label} is not a safetensors index (no weight_map): {exc}", field="model") from None
+    if not all(isinstance(s, str) and s and "/" not in s for s in shards):
+        raise CorruptModel(f"{label} names weight files outside its directory", field="model")
+    return shards
+
+
+def _materialize_checkpoint(src: Source, family: Family, *, name: str, local_only: bool, progress: bool,
+                            check_main: bool = False, update: bool = False) -> ModelFiles:
+    """An NVFP4 checkpoint directory: every checkpoint file of ``src`` at one commit, verified and
+    pinned like a GGUF, in the HF cache's snapshot directory; the head and tokenizer from the
+    family's head source where the repository lacks them."""
+    ck = src.checkpoint
+    how = dict(name=name, local_only=local_only, progress=progress, check_main=check_main, update=update)
+    commit = _checkpoint_commit(src, name=name, local_only=local_only, check_main=check_main, update=update)
+    head = family.head_source
+    head_names = {head.files[k].file for k in HEAD_KEYS}
+    # A commit whose snapshot is complete is listed from the cache: no request at all, like a cached GGUF.
+    snap = repo_dir(src.repo) / "snapshots" / commit
+    cached = bool(COMMIT_RE.match(commit)) and snap.is_dir() and _weights_complete(
+        src, snap, {p.name for p in snap.iterdir()}, head_names)
+    listed = _checkpoint_listing(src, commit, local_only=local_only or cached)
+    where = f"{src.repo} at {commit}"
+    missing = [f for f in ck.required if f not in listed]
+    weights = [n for n in listed if fnmatch.fnmatch(n, ck.weights) and n not in head_names]
+    if missing or not (weights or local_only):
+        lacks = ", ".join(missing) or f"weight files ({ck.weights})"
+        raise ModelNotFound(f"{where} lacks {lacks}: not a checkpoint clef-gguf can pull; it has "
+                            f"{', '.join(sorted(listed)) or 'none of the checkpoint files'}", field="model")
+
+    paths: dict[str, Path] = {}
+    shas: dict[str, str] = {}
+
+    def fetch(filename: str) -> None:
+        sha, size = listed[filename]
+        # A catalog-pinned source holds files to the Hub's LFS sha256 in the listing; one pinned at
+        # first pull holds them to pins.json (_fetch asks the Hub itself).
+        entry = FileEntry(key=filename, file=filename, size=size if src.pinned else None,
+                          sha256=sha if src.pinned else None)
+        paths[filename], shas[filename] = _fetch(src, filename, entry=entry, **how)
+
+    # Small files first (auth or network problems show before GBs), the index before the shards.
+    small = sorted((n for n in listed if not fnmatch.fnmatch(n, ck.weights)), key=lambda n: n != ck.index)
+    for filename in small:
+        fetch(filename)
+    if ck.index in paths:
+        shards = _index_shards(paths[ck.index], f"{src.repo} / {ck.index}")
+        absent = sorted(shards - set(listed))
+        if absent and not local_only:
+            raise ModelNotFound(f"{where} lacks {', '.join(absent)}, named by its {ck.index}", field="model")
+        listed.update({s: (None, None) for s in absent})  # offline: fetching them says they are not cached
+    for filename in sorted(n for n in listed if n not in paths):
+        fetch(filename)
+    if not any(fnmatch.fnmatch(n, ck.weights) and n not in head_names for n in paths):
+        # Only offline can get here (online, the listing was checked): a pull that stopped early.
+        raise ModelNotFound(f"{where} is not complete in the Hugging Face cache ({cache_dir()}): no weight "
+                            f"files; run `clef-gguf pull {name}` with network access", field="model")
+
+    snap = paths[CHECKPOINT_CONFIG].parent  # the snapshot directory of ``commit``
+    if not is_compressed_tensors(snap):
+        raise CorruptModel(f"{src.repo} / {CHECKPOINT_CONFIG} at {commit} has no quantization_config with "
+                           "quant_method compressed-tensors: not an NVFP4 checkpoint", field="model")
+    heads, from_head = {}, False
+    for key in HEAD_KEYS:
+        if head.files[key].file in paths:
+            heads[key] = paths[head.files[key].file]
+        else:  # the repository lacks it: the family's own release has it, as for a GGUF tower
+            heads[key], shas[head.files[key].file] = _fetch(head, key, **how)
+            paths[head.files[key].file], from_head = heads[key], True
+    found = (from_directory(snap) if not from_head else
+             ModelFiles(tower=snap / CHECKPOINT_CONFIG, **heads, backend="nvfp4"))
+    found.name = name
+    found.revision = f"{src.repo}@{_commit_of(paths[CHECKPOINT_CONFIG]) or commit}" + (
+        f"; {head.repo}@{_commit_of(heads['head_weights']) or head.revision}" if from_head else "")
+    for filename, path in paths.items():
+        st = path.stat()  # just verified: valid while the blob stays as it is now
+        found.remember(path, shas[filename], st.st_size, st.st_mtime_ns)
+    found.check_exist()
+    return found
+
+
+def _weights_complete(src: Source, snap: Path, names: set[str], head_names: set[str]) -> bool:
+    """True if a cached snapshot (``names``: its files) holds the required files and weights, every
+    shard its index names included (a pull fetches those last, so the small files are there too)."""
+    ck = src.checkpoint
+    try:
+        if not is_compressed_tensors(snap):
+            return False
+        if ck.index in names and not _index_shards(snap / ck.index, ck.index) <= names:
+            return False
+    except (OSError, ClefError):
+        return False
+    has_weights = any(fnmatch.fnmatch(n, ck.weights) and n not in head_names for n in names)
+    return has_weights and set(ck.required) <= names
+
+
+def _checkpoint_ready(src: Source, snap: Path, names: set[str], head: Source, head_cached: set[str]) -> bool:
+    """A complete checkpoint, with each head file: its own, or the family's cached one."""
+    head_names = {head.files[k].file for k in HEAD_KEYS}
+    return _weights_complete(src, snap, names, head_names) and head_names <= names | head_cached
 
 
 def _split_is_current(out: Path, blob: Path) -> bool:
@@ -437,13 +607,16 @@ class LocalModel:
     # model directory is complete and made from this file
     head_ready: bool
     pinned_by: str | None = None  # "catalog", "first pull", or None (nothing pinned yet)
+    # "gguf", or "nvfp4": a checkpoint directory (``path``; ``file`` its config.json, ``size_bytes``
+    # all its files, ``verified`` every file hashed and held to its reference, ``head_ready`` complete)
+    backend: str = "gguf"
 
     def to_dict(self) -> dict:
         return {**asdict(self), "path": str(self.path)}
 
 
 def list_local(*, catalog: Catalog | None = None) -> list[LocalModel]:
-    """Tower GGUFs of catalog sources in the HF cache, with size, quant and readiness."""
+    """Tower GGUFs and NVFP4 checkpoints of catalog sources in the HF cache, with size, quant and readiness."""
     cat = catalog or load_catalog()
     if not cache_dir().is_dir():
         return []
@@ -455,9 +628,10 @@ def list_local(*, catalog: Catalog | None = None) -> list[LocalModel]:
     for family in cat.families.values():
         head = family.head_source
         head_repo = repos.get(head.repo)
-        head_ready = bool(head_repo) and any(
-            rev.commit_hash == head.revision and {head.files[k].file for k in HEAD_KEYS}
-            <= {f.file_name for f in rev.files} for rev in head_repo.revisions)
+        # The head files cached at the head source's pinned revision.
+        head_cached = {f.file_name for rev in (head_repo.revisions if head_repo else ())
+                       if rev.commit_hash == head.revision for f in rev.files}
+        head_ready = {head.files[k].file for k in HEAD_KEYS} <= head_cached
         for src in (s for s in family.sources if s.role in ("tower", "native") and s.repo in repos):
             held = src.revision or (pins.get(src.repo) or {}).get("commit")
             by = "catalog" if src.pinned else "first pull" if held else None
@@ -477,7 +651,33 @@ def list_local(*, catalog: Catalog | None = None) -> list[LocalModel]:
                         file=f.file_name, path=f.file_path,
                         size_bytes=f.size_on_disk, verified=bool(checked and checked.get("checked")),
                         head_ready=ready, pinned_by=by))
+        for src in (s for s in family.checkpoint_sources if s.repo in repos):
+            out.extend(_local_checkpoints(src, family, repos[src.repo], pins, head_cached))
     return sorted(out, key=lambda m: (m.family, cat.quality_rank(m.quant), m.source))
+
+
+def _local_checkpoints(src: Source, family: Family, repo, pins: dict, head_cached: set[str]) -> list[LocalModel]:
+    """One row per cached snapshot of a checkpoint repository that has its config.json."""
+    held = src.revision or (pins.get(src.repo) or {}).get("commit")
+    by = "catalog" if src.pinned else "first pull" if held else None
+    rows = []
+    for rev in repo.revisions:
+        files = {f.file_name: f for f in rev.files if "/" not in f.file_name}
+        if CHECKPOINT_CONFIG not in files:
+            continue
+        # Verified: every file hashed since it was cached, and each with a reference hash (an LFS
+        # sha256 blob name) matched it; a git-blob file (config.json) is held by pins.json instead.
+        stamps = [stamp(f.blob_path.resolve()) for f in files.values()]
+        verified = all(s and (s.get("checked") or not SHA256_RE.match(f.blob_path.name))
+                       for s, f in zip(stamps, files.values()))
+        rows.append(LocalModel(
+            name=f"{family.name}:{src.checkpoint.quant}@{src.alias}", family=family.name,
+            quant=src.checkpoint.quant, source=src.alias, repo=src.repo, commit=rev.commit_hash,
+            pinned=rev.commit_hash == held, source_pinned=held is not None, file=CHECKPOINT_CONFIG,
+            path=rev.snapshot_path, size_bytes=sum(f.size_on_disk for f in files.values()), verified=verified,
+            head_ready=_checkpoint_ready(src, rev.snapshot_path, set(files), family.head_source, head_cached),
+            pinned_by=by, backend="nvfp4"))
+    return rows
 
 
 def _quant_of(src: Source, file_name: str) -> str | None:
@@ -491,8 +691,11 @@ def _quant_of(src: Source, file_name: str) -> str | None:
 # ---------------------------------------------------------------- CLI: clef-gguf pull / list
 
 def add_pull_arguments(parser) -> None:
-    parser.add_argument("name", help="clef-flash, clef-flash:Q4_K_M, clef:Q4_K_M, clef-flash:auto[@SOURCE]")
-    parser.add_argument("--quant", help="quant type or 'auto' (overrides :QUANT in the name)")
+    parser.add_argument("name", help="clef-flash, clef-flash:Q4_K_M, clef:Q4_K_M, clef-flash:auto[@SOURCE]; "
+                        "NVFP4 checkpoints for the nvfp4 backend: clef-flash:nvfp4a16 (W4A16), "
+                        "clef-flash:nvfp4 (W4A4), clef:nvfp4 (27B W4A4)")
+    parser.add_argument("--quant", help="quant type (Q4_K_M, ..., NVFP4A16, NVFP4) or 'auto' (overrides :QUANT "
+                        "in the name; auto picks among GGUF quants only)")
     parser.add_argument("--ctx", type=positive_int, default=DEFAULT_CONTEXT, help="context the auto choice budgets for")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument("--json", action="store_true", help="print the resulting files as JSON")
@@ -500,6 +703,12 @@ def add_pull_arguments(parser) -> None:
                         help="for a source pinned at its first pull (no revision in the "
                              "catalog): accept that main moved or a file changed, and re-pin; "
                              "without it such a pull is refused (pin_mismatch)")
+    parser.epilog = ("A GGUF name pulls one tower file plus the head and tokenizer of the family's release. An "
+                     "NVFP4 name (clef-flash:nvfp4a16, clef-flash:nvfp4, clef:nvfp4) pulls the checkpoint "
+                     "repository's config, safetensors weights, index, tokenizer and head files into one "
+                     "snapshot directory of the Hugging Face cache (the head from the release if the "
+                     "repository lacks it), pinned and sha256-checked the same way; `clef-gguf pick` says "
+                     "whether this GPU runs it natively.")
 
 
 def run_pull(args) -> int:
@@ -523,38 +732,48 @@ def run_pull(args) -> int:
         print(f"note: {src.repo} holds native clef-arch GGUFs (head inside); the download is "
               "split once into a qwen35 tower + head + tokenizer (a copy of the tower's size)",
               file=sys.stderr)
+    if src.checkpoint is not None:
+        known = src.checkpoint.known_size()
+        size = f" (about {known[0] / 1e9:.1f} GB, {known[1]} size)" if known else ""
+        print(f"note: {src.repo} is a compressed-tensors NVFP4 {src.checkpoint.scheme} checkpoint for the "
+              f"nvfp4 backend (PyTorch on CUDA); its checkpoint files are downloaded{size}",
+              file=sys.stderr)
     files = pull(str(ref), progress=not args.no_progress, catalog=cat, update=args.update)
     after = None if src.pinned else pin(src.repo)
     if before and after and before["commit"] != after["commit"]:
         print(f"re-pinned {src.repo}: {before['commit']} -> {after['commit']}", file=sys.stderr)
     if args.json:
-        print(json.dumps({"name": files.name, "revision": files.revision, "sha256": files.sha256,
-                          **{k: str(v) for k, v in files.paths().items()}}, indent=2))
+        print(json.dumps({"name": files.name, "revision": files.revision, "backend": files.backend,
+                          "sha256": files.sha256, **{k: str(v) for k, v in files.paths().items()}}, indent=2))
     else:
-        print(f"{files.name}  ({files.revision})")
+        print(f"{files.name}  ({files.revision})" + ("" if files.backend == "gguf" else f"  backend {files.backend}"))
         for role, path in files.paths().items():
             print(f"  {role:<13} {path}")
     return 0
 
 
 def add_list_arguments(parser) -> None:
-    parser.add_argument("--available", action="store_true", help="list the catalog instead of the cache")
+    parser.add_argument("--available", action="store_true",
+                        help="list the catalog instead of the cache: every GGUF quant and the NVFP4 checkpoints "
+                             "(clef-flash:NVFP4A16, clef-flash:NVFP4, clef:NVFP4; backend nvfp4)")
     parser.add_argument("--json", action="store_true", help="print JSON")
 
 
 def _available(cat: Catalog) -> list[dict]:
-    """Every GGUF the catalog can pull, one row per source and quant (best quality first)."""
+    """Every GGUF and NVFP4 checkpoint the catalog can pull, one row per source and quant (best
+    quality first; checkpoints after the GGUF quants). A size nobody published is None."""
     pins = read_pins()
     rows = []
     for family in cat.families.values():
-        defaults = {q: family.tower_source(q).alias for q in family.quants()}
+        defaults = {q: family.tower_source(q).alias for q in family.quants() + family.checkpoint_quants()}
         for order, src in enumerate(s for s in family.sources if s.quants):
             held = src.revision or (pins.get(src.repo) or {}).get("commit")
             for quant in src.quants:
-                size, basis = family.tower_size(quant, src.alias)
+                known = src.checkpoint.known_size() if src.checkpoint else family.tower_size(quant, src.alias)
+                size, basis = known or (None, "unknown")
                 by = "catalog" if src.pinned else "first pull" if held else None
                 rows.append({"name": f"{family.name}:{quant}@{src.alias}", "family": family.name,
-                             "quant": quant, "source": src.alias, "role": src.role,
+                             "quant": quant, "source": src.alias, "role": src.role, "backend": src.backend,
                              "repo": src.repo, "revision": held, "pinned_by": by,
                              "default": defaults.get(quant) == src.alias,
                              "size_bytes": size, "size_basis": basis, "_order": order})
@@ -574,9 +793,13 @@ def run_list(args) -> int:
         for r in rows:
             rev = ("pinned at first pull" if r["pinned_by"] is None else r["revision"][:10]
                    + (" (first pull)" if r["pinned_by"] == "first pull" else ""))
-            print(f"{'*' if r['default'] else ' '} {r['name']:<30} {r['size_bytes'] / 1e9:6.2f} GB "
-                  f"({r['size_basis']:<8}) {r['role']:<6} {rev}")
-        print("* = what FAMILY:QUANT without @SOURCE pulls; native files are split on download")
+            size = "     ?" if r["size_bytes"] is None else f"{r['size_bytes'] / 1e9:6.2f}"
+            repo = f"  {r['repo']}" if r["backend"] != "gguf" else ""
+            print(f"{'*' if r['default'] else ' '} {r['name']:<30} {size} GB "
+                  f"({r['size_basis']:<8}) {r['role']:<6} {rev}{repo}")
+        print("* = what FAMILY:QUANT without @SOURCE pulls; native files are split on download; nvfp4 rows are "
+              "compressed-tensors checkpoint repositories for the nvfp4 backend (PyTorch on CUDA; see `clef-gguf "
+              "pick`)")
         return 0
     models = list_local(catalog=cat)
     if args.json:
@@ -586,8 +809,10 @@ def run_list(args) -> int:
         print(f"no Clef models in the Hugging Face cache ({cache_dir()}); try `clef-gguf pull clef-flash`")
     for m in models:
         towers = {s.alias for s in cat.family(m.family).tower_sources}
-        missing = "head missing" if m.source in towers else "not split yet"
-        state = ("ready" if m.head_ready else missing) + (", verified" if m.verified else "")
+        missing = ("incomplete" if m.backend == "nvfp4" else "head missing" if m.source in towers
+                   else "not split yet")
+        state = (("ready" if m.head_ready else missing) + (", verified" if m.verified else "")
+                 + ("" if m.backend == "gguf" else f" ({m.backend} checkpoint)"))
         rev = m.commit[:10] + (" (unpinned source)" if not m.source_pinned
                                else " (not the pinned revision)" if not m.pinned
                                else " (pinned at first pull)" if m.pinned_by == "first pull"

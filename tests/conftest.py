@@ -4,6 +4,7 @@
 ``tiny_model_dir_factory``  outtype -> converted clef-gguf model directory (each built once)
 ``tiny_model_dir``          the f32 conversion, what most tests load
 ``tiny_hf_hidden``          ids -> transformers ``last_hidden_state`` (float32) of the tiny release
+``tiny_nvfp4_dir``          scheme (nvfp4a16 | nvfp4) -> the tiny release as an NVFP4 checkpoint
 
 Building and converting the tiny release takes well under a second; don't mutate these
 directories in tests, copy them first.
@@ -66,3 +67,19 @@ def tiny_hf_hidden(tiny_hf_model):
         return out.last_hidden_state[0].float().numpy()
 
     return hidden
+
+
+@pytest.fixture(scope="session")
+def tiny_nvfp4_dir(tiny_release, tmp_path_factory):
+    """scheme ("nvfp4a16" | "nvfp4") -> the tiny release quantized by ``convert.nvfp4`` (once each)."""
+    from clef_gguf.convert.nvfp4 import quantize_release
+
+    made: dict[str, Path] = {}
+
+    def make(scheme: str) -> Path:
+        if scheme not in made:
+            out = tmp_path_factory.mktemp(f"tiny-{scheme}") / "model"
+            made[scheme] = quantize_release(tiny_release, out, scheme=scheme, name=f"clef-tiny-{scheme}")
+        return made[scheme]
+
+    return make

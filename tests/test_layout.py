@@ -10,7 +10,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # source folder -> package name in site-packages (pyproject's package-dir)
 PACKAGES = {"clef_gguf": "clef_gguf", "heads": "clef_gguf.heads", "convert": "clef_gguf.convert",
             "models": "clef_gguf.models"}
-PIPELINE = ["request", "encode", "tower", "lexical", "answer", "runtime", "errors", "files"]
+PIPELINE = ["request", "encode", "tower", "lexical", "answer", "runtime", "backends", "errors", "files",
+            "nvfp4.checkpoint", "nvfp4.lexical", "nvfp4.model", "nvfp4.tower", "nvfp4.kernels", "nvfp4.format"]
 
 
 def _modules() -> dict[str, Path]:
@@ -99,9 +100,21 @@ def test_models_use_only_errors_files_and_argtypes_of_the_runtime():
 def test_the_pipeline_imports_models_only_to_resolve_a_name_or_place_the_tower():
     for stage in PIPELINE:
         deps = {d for d in GRAPH[f"clef_gguf.{stage}"] if d.startswith("clef_gguf.models")}
-        expected = {"clef_gguf.models.catalog", "clef_gguf.models.hub", "clef_gguf.models.device"} \
-            if stage == "runtime" else set()
+        expected = {"runtime": {"clef_gguf.models.catalog", "clef_gguf.models.hub"},  # resolve a name
+                    "backends": {"clef_gguf.models.catalog", "clef_gguf.models.device"},  # place it
+                    "tower": {"clef_gguf.models.device"},  # the memory left for packed sequences
+                    }.get(stage, set())
         assert deps <= expected, f"clef_gguf.{stage} imports {sorted(deps)}"
+
+
+def test_the_gguf_path_does_not_import_the_nvfp4_backend_at_module_level():
+    # torch-only users of GGUF towers never need transformers or compressed-tensors
+    for stage in ("runtime", "backends", "tower", "lexical"):
+        tree = ast.parse(MODULES[f"clef_gguf.{stage}"].read_text(encoding="utf-8"))
+        top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+        names = {a.name for n in top if isinstance(n, ast.Import) for a in n.names} \
+            | {n.module or "" for n in top if isinstance(n, ast.ImportFrom)}
+        assert not {n for n in names if "nvfp4" in n or n.startswith(("transformers", "compressed"))}, stage
 
 
 def test_pipeline_server_and_tools_do_not_import_the_cli():

@@ -216,7 +216,7 @@ def test_a_mistyped_directory_is_not_sent_to_the_hub(tmp_path, monkeypatch):
 
 
 def test_gpu_layers_on_a_cpu_only_build(tiny_model_dir):
-    from clef_gguf import runtime
+    from clef_gguf import backends
 
     for asked in ("auto", "all", 0, 3):
         with Clef.load(tiny_model_dir, gpu_layers=asked, state_cache_mb=0) as clef:
@@ -225,11 +225,11 @@ def test_gpu_layers_on_a_cpu_only_build(tiny_model_dir):
     with pytest.raises(errors.InvalidValue) as info:
         Clef.load(tiny_model_dir, gpu_layers=-2)
     assert info.value.field == "gpu_layers"
-    assert runtime._gpu_layers("all", tiny_model_dir / "tower-f32.gguf", 64, 16384) == -1
+    assert backends.gpu_layers("all", tiny_model_dir / "tower-f32.gguf", 64, 16384) == -1
 
 
 def test_auto_gpu_layers_follow_the_device_policy(tiny_model_dir, monkeypatch):
-    from clef_gguf import runtime, tower
+    from clef_gguf import backends, tower
     from clef_gguf.models import device
 
     box = device.DeviceProfile(64 << 30, 50 << 30, 16, "x86_64", frozenset({"avx2"}),
@@ -237,12 +237,12 @@ def test_auto_gpu_layers_follow_the_device_policy(tiny_model_dir, monkeypatch):
     monkeypatch.setattr(tower, "gpu_offload", lambda: True)
     monkeypatch.setattr(device, "probe", lambda **_: box)
     path = tiny_model_dir / "tower-f32.gguf"
-    assert runtime._gpu_layers("auto", path, 64, 16384) == -1
+    assert backends.gpu_layers("auto", path, 64, 16384) == -1
     small = device.DeviceProfile(**{**box.__dict__, "gpus": (device.GPU(0, "tiny", 1 << 30, 1 << 29),)})
     monkeypatch.setattr(device, "probe", lambda **_: small)
-    assert runtime._gpu_layers("auto", path, 64, 16384) == 0  # KV for 16k tokens does not fit
+    assert backends.gpu_layers("auto", path, 64, 16384) == 0  # KV for 16k tokens does not fit
     monkeypatch.setattr(tower, "gpu_offload", lambda: False)
-    assert runtime._gpu_layers("auto", path, 64, 16384) == 0
+    assert backends.gpu_layers("auto", path, 64, 16384) == 0
 
 
 def test_head_threads_default_to_the_towers(tiny_model_dir):
@@ -252,3 +252,60 @@ def test_head_threads_default_to_the_towers(tiny_model_dir):
         assert clef.info["head_threads"] == 2
     with pytest.raises(errors.InvalidValue):
         Clef.load(tiny_model_dir, head_threads=0)
+
+
+# ---------------------------------------------------------------- several prompts per decode
+def packed_requests() -> list:
+    """Mixed lengths, three question sets about one state, a repeat and an invalid request."""
+    long_state = {"ticket": "The invoice was charged twice. " * 40, "amount": 129.5}
+    questions = [{"urgent": REQUEST["questions"]["urgent"]}, {"team": REQUEST["questions"]["team"]},
+                 REQUEST["questions"]]
+    reqs = [{"state": f"Refund {i} not received", "questions": REQUEST["questions"]} for i in range(5)]
+    reqs += [{"state": long_state, "questions": q} for q in questions]
+    reqs += [REQUEST, {"state": "x", "questions": {"c": {"type": "choice", "criteria": {}}}}, REQUEST]
+    return reqs
+
+
+def test_decide_many_packed_equals_one_by_one(tiny_model_dir):
+    """Byte-identical responses (usage.cached_tokens included) from two fresh models, one decoding
+    one prompt at a time and one four per llama_decode; the unrounded probabilities are equal too."""
+    reqs = packed_requests()
+    with Clef.load(tiny_model_dir, max_length=2048, threads=2) as one, \
+            Clef.load(tiny_model_dir, max_length=2048, threads=2) as packed:
+        want = list(one.decide_many(reqs, pack=1))
+        got = list(packed.decide_many(reqs, pack=4))
+        assert json.dumps(got) == json.dumps(want)
+        assert max(packed.tower.pack_stats) > 1 and not one.tower.pack_stats
+        assert got[-2]["error"]["code"] == "invalid_criteria" and "answers" in got[-1]
+        valid = [r for r in reqs if "c" not in r["questions"]]
+        prepared = [packed.prepare(r) for r in valid]
+        hidden = packed.tower.forward_many([(p.encoded.ids, p.encoded.prefix_tokens, p.encoded.state_tokens)
+                                            for p in prepared], None, pack=4)
+        for r, p, (h, _) in zip(valid, prepared, hidden):
+            probs = answer_probs(packed, p, h)
+            assert all(np.array_equal(a, b) for a, b in zip(probs, one.probabilities(r)))
+
+
+def answer_probs(clef, prepared, hidden):
+    from clef_gguf import answer
+
+    logits = clef._head_logits(prepared.encoded, hidden)[0]
+    return answer.split_probabilities(logits, prepared.encoded.option_counts)
+
+
+def test_run_many_matches_run_and_the_policy_packs_on_the_cpu(clef):
+    from clef_gguf.tower import PACKING
+
+    prepared = [clef.prepare({"state": f"Refund {i} late", "questions": REQUEST["questions"]})
+                for i in range(6)]
+    clef.tower.pack_stats.clear()
+    packed = clef.run_many(prepared)  # pack=None: the tower's policy
+    assert 1 < max(clef.tower.pack_stats) <= PACKING["cpu"].pack
+    for p, (response, timings) in zip(prepared, packed):
+        ref, ref_timings = clef.run(p)
+        assert same(response) == same(ref) and set(timings) == set(ref_timings)
+    assert [r[0] for r in clef.run_many(prepared, pack=1)] == [clef.run(p)[0] for p in prepared]
+    with pytest.raises(errors.InvalidValue):
+        clef.run_many(prepared, pack=0)
+    with pytest.raises(errors.InvalidValue):
+        list(clef.decide_many([REQUEST], pack=True))

@@ -9,6 +9,7 @@ import pytest
 
 from clef_gguf import errors, tower as tower_mod
 from clef_gguf.files import from_directory
+from clef_gguf.statecache import StateCache
 from clef_gguf.tower import Tower
 
 
@@ -92,3 +93,132 @@ def test_threads_must_be_positive(tiny_model_dir, threads):
     with pytest.raises(errors.InvalidValue) as info:
         tower_mod.Tower.load(tiny_model_dir / "tower-f32.gguf", threads=threads)
     assert info.value.field == "threads"
+
+
+# ---------------------------------------------------------------- several prompts per decode
+PREFIX = 36
+
+
+@pytest.fixture(scope="module")
+def packed_prompts(ids):
+    """Mixed lengths: states of 0, < 64 and several chunks; two prompts about one state; a repeat."""
+    rng = np.random.default_rng(5)
+    prefix, schema = ids[:PREFIX], rng.integers(0, 300, 90).astype(np.int32)
+    states = [rng.integers(0, 300, n).astype(np.int32) for n in (0, 20, 63, 64, 150, 333)]
+    prompts = [(np.concatenate([prefix, s, schema]), PREFIX, len(s)) for s in states]
+    prompts.append((np.concatenate([prefix, states[4], schema[:30]]), PREFIX, len(states[4])))
+    prompts.append(prompts[-1])
+    prompts.append((np.concatenate([prefix, states[2]]), PREFIX, len(states[2])))  # no schema at all
+    return prompts
+
+
+def one_by_one(path, prompts, cache_mb):
+    """``forward`` for each prompt in order, on a fresh tower and cache: the reference."""
+    with Tower.load(path, n_ctx=1024, threads=2, n_batch=128) as t:
+        cache = StateCache(cache_mb << 20)
+        return [t.forward(*p, cache) for p in prompts], cache
+
+
+@pytest.mark.parametrize("cache_mb", [0, 64])
+def test_forward_many_equals_one_by_one(gguf_path, packed_prompts, cache_mb):
+    """Packed hidden states are the one-by-one ones bit for bit, and so are cached token counts
+    and the state cache's entries, for 2, 4 and 8 sequences per decode."""
+    want, want_cache = one_by_one(gguf_path, packed_prompts, cache_mb)
+    with Tower.load(gguf_path, n_ctx=1024, threads=2, n_batch=128) as t:
+        for pack in (2, 4, 8):
+            t._prefix = None  # as fresh as the reference
+            t.pack_stats.clear()
+            cache = StateCache(cache_mb << 20)
+            got = t.forward_many(packed_prompts, cache, pack=pack)
+            for (h, cached), (ref, ref_cached) in zip(got, want):
+                assert np.array_equal(h, ref) and cached == ref_cached
+            assert max(t.pack_stats) > 1  # several prompts really shared a decode
+            assert set(cache._entries) == set(want_cache._entries)
+
+
+def test_pack_one_is_forward(gguf_path, packed_prompts):
+    want, _ = one_by_one(gguf_path, packed_prompts, 64)
+    with Tower.load(gguf_path, n_ctx=1024, threads=2, n_batch=128) as t:
+        got = t.forward_many(packed_prompts, StateCache(64 << 20), pack=1)
+        assert not t.pack_stats  # no packed context at all
+        assert all(np.array_equal(h, ref) and c == rc for (h, c), (ref, rc) in zip(got, want))
+        with pytest.raises(errors.InvalidValue):
+            t.forward_many(packed_prompts, pack=0)
+
+
+def test_an_error_stays_with_its_prompt(gguf_path, packed_prompts):
+    bad = [(np.array([1, 10**6], dtype=np.int32), 0, 0), (np.zeros(2000, dtype=np.int32), PREFIX, 0)]
+    prompts = [packed_prompts[1], bad[0], packed_prompts[4], bad[1], packed_prompts[5]]
+    want, _ = one_by_one(gguf_path, [packed_prompts[i] for i in (1, 4, 5)], 0)
+    with Tower.load(gguf_path, n_ctx=1024, threads=2, n_batch=128) as t:
+        got = t.forward_many(prompts, None, pack=4)
+    assert isinstance(got[1], errors.InferenceError) and "outside the GGUF vocab" in got[1].message
+    assert isinstance(got[3], errors.InferenceError) and "does not fit" in got[3].message
+    assert all(np.array_equal(g[0], w[0]) for g, w in zip([got[0], got[2], got[4]], want))
+
+
+def test_a_failed_packed_decode_falls_back_to_one_by_one(gguf_path, packed_prompts, monkeypatch):
+    want, _ = one_by_one(gguf_path, packed_prompts, 0)
+    calls = []
+
+    def failing(self, group):
+        calls.append(len(group))
+        raise errors.InferenceError("llama_decode failed with code -3")
+
+    monkeypatch.setattr(tower_mod._Batch, "fill", failing)
+    with Tower.load(gguf_path, n_ctx=1024, threads=2, n_batch=128) as t:
+        got = t.forward_many(packed_prompts, None, pack=4)
+    assert calls  # the packed path ran, failed, and every prompt was decoded alone
+    assert all(np.array_equal(h, ref[0]) for (h, _), ref in zip(got, want))
+
+
+def test_packed_and_single_paths_share_the_state_cache(gguf_path, packed_prompts):
+    """A state decoded packed restores in ``forward`` and the other way round, with the answers of
+    a fresh decode: the packed context's state layout is converted, not a second kind of entry."""
+    prefix, state = packed_prompts[5][0][:PREFIX + 333], packed_prompts[4][0][:PREFIX + 150]
+    tail = np.arange(40, 80, dtype=np.int32)
+    later = [(np.concatenate([prefix, tail]), PREFIX, 333), (np.concatenate([state, tail]), PREFIX, 150)]
+    with Tower.load(gguf_path, n_ctx=1024, threads=2, n_batch=128) as t:
+        fresh = [t.forward(*p, None)[0] for p in later]
+        cache = StateCache(64 << 20)
+        t.forward_many(packed_prompts[4:6], cache, pack=2)  # both states decoded packed
+        h, cached = t.forward(*later[0], cache)
+        assert cached == PREFIX + 333 and np.array_equal(h, fresh[0])
+        cache = StateCache(64 << 20)
+        t.forward(*packed_prompts[4], cache)  # decoded one by one, restored packed
+        (h, cached), _ = t.forward_many([later[1], packed_prompts[5]], cache, pack=2)
+        assert cached == PREFIX + 150 and np.array_equal(h, fresh[1])
+
+
+def test_state_layouts_round_trip_and_refuse_others():
+    one = np.concatenate([tower_mod._u32(0xAF143CD8, 0, 1, 3), np.arange(40, dtype=np.uint8)])
+    recurrent = 16
+    four = tower_mod._to_streams(one, 4)
+    assert four[8:12].view("<u4")[0] == 4 and four.size == one.size + 12
+    assert np.array_equal(tower_mod._to_one_stream(four, 4, 3, recurrent), one)
+    with pytest.raises(errors.InferenceError):
+        tower_mod._to_streams(four, 2)  # not a one-stream state
+    with pytest.raises(errors.InferenceError):
+        tower_mod._to_one_stream(four, 4, 1, recurrent)  # the cells are not in stream 1
+
+
+def test_packing_policy(gguf_path, packed_prompts, monkeypatch):
+    """The policy's choice: CPU packs prompts up to its max_tokens, longer ones run alone; a GPU
+    tower does not pack (unmeasured); a packed context that does not fit memory is not made."""
+    cpu, gpu = tower_mod.PACKING["cpu"], tower_mod.PACKING["gpu"]
+    with Tower.load(gguf_path, n_ctx=cpu.max_tokens + 256, threads=2, n_batch=128) as t:
+        assert t.pack_rule is cpu and t.pack_size(cpu.max_tokens) == cpu.pack > 1
+        assert t.pack_size(cpu.max_tokens + 1) == 1
+        long = (np.resize(packed_prompts[5][0], cpu.max_tokens + 1), PREFIX, cpu.max_tokens + 1 - PREFIX)
+        t.forward_many([long, long], None)  # too long for the policy: never packed
+        assert not t.pack_stats
+        t.forward_many(packed_prompts, None)
+        assert 1 < max(t.pack_stats) <= cpu.pack
+        monkeypatch.setattr(Tower, "gpu_layers", property(lambda self: -1))
+        assert t.pack_rule is gpu and t.pack_size(10) == gpu.pack == 1
+    monkeypatch.undo()
+    with Tower.load(gguf_path, n_ctx=1024, threads=2, n_batch=128) as t:
+        monkeypatch.setattr(Tower, "_free_memory", lambda self: 0)  # no room for a packed context
+        want = [t.forward(*p, None)[0] for p in packed_prompts]
+        got = t.forward_many(packed_prompts, None, pack=4)
+        assert not t.pack_stats and all(np.array_equal(g[0], w) for g, w in zip(got, want))

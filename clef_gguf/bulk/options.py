@@ -33,4 +33,5 @@ def load_kwargs(args: argparse.Namespace, threads: int) -> dict:
             "tokenizer": _absolute(args.tokenizer), "threads": threads,
             "max_length": args.max_length, "precision": args.precision,
             "allow_download": not args.offline, "strict": args.strict,
-            "state_cache_mb": args.state_cache_mb, "gpu_layers": args.gpu_layers}
+            "state_cache_mb": args.state_cache_mb, "gpu_layers": args.gpu_layers,
+            "backend": getattr(args, "backend", "auto")}

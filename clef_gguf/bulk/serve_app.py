@@ -4,7 +4,8 @@
 
 Arguments (``key=value``): ``model`` (required: a directory every node can read, or a catalog
 name resolved from each node's Hugging Face cache), ``replicas`` (1), ``threads`` per replica
-(1), ``queue_size`` (64), ``max_length`` (16384), ``strict`` (false), ``state_cache_mb`` (512).
+(1), ``queue_size`` (64), ``max_length`` (16384), ``strict`` (false), ``state_cache_mb`` (512),
+``backend`` (auto).
 The API key comes from ``$CLEF_GGUF_API_KEY`` on the replicas' nodes, as with ``serve``.
 ``serve run`` serves on Ray Serve's HTTP port, 8000 by default (``http_options`` in a Serve
 config file moves it).
@@ -27,6 +28,7 @@ def build(args: dict[str, str]):
             "max_length": int(args.get("max_length", 16384)),
             "strict": args.get("strict", "false").lower() in ("1", "true", "yes"),
             "state_cache_mb": float(args.get("state_cache_mb", statecache.DEFAULT_MB)),
+            "backend": args.get("backend", "auto"),
             "allow_download": True}
     app_kwargs = {"api_key": os.environ.get("CLEF_GGUF_API_KEY") or None,
                   "queue_size": queue_size}

@@ -101,10 +101,13 @@ def create_app(model: Any, *, api_key: str | None = None,
                   docs_url=None, redoc_url=None)  # the docs UIs load scripts from a CDN
     app.state.served, app.state.queue, app.state.prepare_stage = served, queue, stage
 
-    async def run_job(request: Request, fn: Callable[[Job], Any]) -> Any:
-        """Queue ``fn`` on the worker and wait; None if the client left (job dropped)."""
+    async def run_job(request: Request, fn: Callable[[Job], Any],
+                      decision: tuple[Any, Any] | None = None) -> Any:
+        """Queue ``fn`` on the worker and wait; None if the client left (job dropped).
+        ``decision=(clef, prepared)``: ``fn`` is ``clef.run(prepared)``, which the queue may pack
+        with the decisions waiting behind it (several prompts per llama_decode, same answers)."""
         try:
-            job = queue.submit(fn)
+            job = queue.submit(fn, decision=decision)
         except QueueFull as exc:
             raise _busy(f"{queue.maxsize} requests are already waiting for the model",
                         exc.retry_after) from None
@@ -143,7 +146,7 @@ def create_app(model: Any, *, api_key: str | None = None,
     async def single(request: Request, clef: Any, body: Any, admission: Admission):
         prepared = await prepare(request, admission, clef.prepare, body)
         note(request, tokens=getattr(getattr(prepared, "encoded", None), "n_tokens", None))
-        result = await run_job(request, lambda _job: clef.run(prepared))
+        result = await run_job(request, lambda _job: clef.run(prepared), (clef, prepared))
         if result is None:
             return client_closed().response()
         response, timings = result

@@ -19,6 +19,7 @@ from typing import Any
 
 from clef_gguf.errors import ClefError
 from clef_gguf.server.http import ApiError, internal_error
+from clef_gguf.server.workqueue import pack_size
 
 log = logging.getLogger("clef_gguf.server")
 
@@ -152,16 +153,37 @@ def prepare_items(clef: Any, items: list[BatchItem]) -> None:
 
 
 def compute_items(clef: Any, items: list[BatchItem], job: Any) -> bool:
-    """Run every prepared input (on the worker thread); False if the client left mid-batch."""
-    for item in items:
+    """Run every prepared input (on the worker thread); False if the client left mid-batch.
+
+    Where the model's tower packs prompts of this size (``pack_size``), that many inputs run at a
+    time as one ``clef.run_many`` (several prompts per llama_decode, the same answers); the
+    client leaving is checked between those groups."""
+    todo = [item for item in items if item.prepared is not None]
+    while todo:
         if job.abandoned:  # stop spending the model on answers nobody will read
             return False
-        if item.prepared is not None:
-            try:
-                item.response = clef.run(item.prepared)[0]
-            except Exception as exc:  # noqa: BLE001 - reported in this input's result
-                _fail(item, exc, "run")
+        size = pack_size(clef, todo[0].prepared)
+        group, todo = todo[:size], todo[size:]
+        if len(group) == 1:
+            _run_one(clef, group[0])
+            continue
+        try:
+            outs = clef.run_many([item.prepared for item in group])
+        except Exception as exc:  # noqa: BLE001 - a bug in the packed pass: each input says so
+            outs = [exc] * len(group)
+        for item, out in zip(group, outs):
+            if isinstance(out, Exception):
+                _fail(item, out, "run")
+            else:
+                item.response = out[0]
     return True
+
+
+def _run_one(clef: Any, item: BatchItem) -> None:
+    try:
+        item.response = clef.run(item.prepared)[0]
+    except Exception as exc:  # noqa: BLE001 - reported in this input's result
+        _fail(item, exc, "run")
 
 
 def _base_audit(clef: Any) -> dict:

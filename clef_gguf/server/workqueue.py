@@ -7,7 +7,11 @@ grows its latency without limit under overload; refusing early with 429 + ``Retr
 clients back off (avrik-sdk retries on exactly that).
 
 The queue lives on the event loop (``asyncio.Queue``); a dispatcher task takes one job at a time
-and runs it in the worker thread, so the event loop never blocks on inference.
+and runs it in the worker thread, so the event loop never blocks on inference. A job submitted
+with ``decision=(clef, prepared)`` is one decision: the dispatcher takes it together with the
+decisions queued right behind it, up to what the tower's packing policy packs for that prompt
+(``Tower.pack_size``), and runs them as one ``clef.run_many`` (several prompts per llama_decode,
+the same answers as one by one).
 
 In front of the queue, :class:`PrepareStage` bounds validation + tokenization the same way: a few
 threads of its own and a capped number of requests waiting for them (see its docstring).
@@ -46,11 +50,13 @@ class Job:
     may poll ``abandoned`` between items to stop early.
     """
 
-    __slots__ = ("fn", "future", "abandoned", "enqueued", "started", "finished")
+    __slots__ = ("fn", "future", "abandoned", "enqueued", "started", "finished", "decision")
 
-    def __init__(self, fn: Callable[["Job"], Any], future: asyncio.Future) -> None:
+    def __init__(self, fn: Callable[["Job"], Any], future: asyncio.Future,
+                 decision: tuple[Any, Any] | None = None) -> None:
         self.fn = fn
         self.future = future
+        self.decision = decision  # (clef, prepared): ``fn`` is clef.run(prepared), packable
         self.abandoned = False
         self.enqueued = time.perf_counter()
         self.started: float | None = None
@@ -135,11 +141,13 @@ class InferenceQueue:
         backlog = self.waiting + (1 if self.busy else 0)
         return max(1, min(60, math.ceil(backlog * self._avg_job_s)))
 
-    def submit(self, fn: Callable[[Job], Any]) -> Job:
-        """Queue ``fn`` (it receives its :class:`Job`); raise QueueFull or ShuttingDown at once."""
+    def submit(self, fn: Callable[[Job], Any], *, decision: tuple[Any, Any] | None = None) -> Job:
+        """Queue ``fn`` (it receives its :class:`Job`); raise QueueFull or ShuttingDown at once.
+        ``decision=(clef, prepared)`` says ``fn`` is ``clef.run(prepared)``: it may then run packed
+        with the decisions queued behind it, its result the same."""
         if self._closed or self._queue is None:
             raise ShuttingDown("the server is shutting down")
-        job = Job(fn, asyncio.get_running_loop().create_future())
+        job = Job(fn, asyncio.get_running_loop().create_future(), decision)
         try:
             self._queue.put_nowait(job)
         except asyncio.QueueFull:
@@ -153,6 +161,10 @@ class InferenceQueue:
             job = await self._queue.get()
             if job.abandoned or job.future.done():
                 continue  # the client left while queued: drop it without computing
+            group = self._packable_behind(job)
+            if len(group) > 1:
+                await self._run_group(group)
+                continue
             self._running = job
             job.started = time.perf_counter()
             try:
@@ -172,6 +184,51 @@ class InferenceQueue:
             seconds = (job.finished - job.started) if job.finished else self._avg_job_s
             self._avg_job_s = 0.8 * self._avg_job_s + 0.2 * seconds
 
+    def _packable_behind(self, job: Job) -> list[Job]:
+        """``job`` and the decisions for the same model queued right behind it, as many as its
+        tower packs for prompts of this size (FIFO: never one from behind another kind of job)."""
+        if job.decision is None:
+            return [job]
+        clef, prepared = job.decision
+        limit = pack_size(clef, prepared)
+        waiting = self._queue._queue  # type: ignore[union-attr]  # the deque behind asyncio.Queue
+        group = [job]
+        while len(group) < limit and waiting:
+            nxt = waiting[0]
+            if nxt.abandoned or nxt.future.done():
+                self._queue.get_nowait()  # type: ignore[union-attr]  # dropped, as _dispatch would
+                continue
+            if nxt.decision is None or nxt.decision[0] is not clef or pack_size(*nxt.decision) < 2:
+                break
+            group.append(self._queue.get_nowait())  # type: ignore[union-attr]
+        return group
+
+    async def _run_group(self, group: list[Job]) -> None:
+        clef = group[0].decision[0]
+        self._running = group[0]
+        started = time.perf_counter()
+        for job in group:
+            job.started = started
+        try:
+            results = await asyncio.get_running_loop().run_in_executor(
+                self._executor, lambda: clef.run_many([job.decision[1] for job in group]))
+        except asyncio.CancelledError:
+            for job in group:
+                self._settle(job, exc=ShuttingDown("the server is shutting down"))
+            raise
+        except BaseException as exc:  # noqa: BLE001 - a bug in the packed pass: every owner is told
+            results = [exc] * len(group)
+        finally:
+            self._running = None
+        finished = time.perf_counter()
+        for job, result in zip(group, results):
+            job.finished = finished
+            if isinstance(result, BaseException):
+                self._settle(job, exc=result)
+            else:
+                self._settle(job, result=result)
+        self._avg_job_s = 0.8 * self._avg_job_s + 0.2 * (finished - started) / len(group)
+
     @staticmethod
     def _settle(job: Job, *, result: Any = None, exc: BaseException | None = None) -> None:
         if job.future.done():
@@ -182,6 +239,14 @@ class InferenceQueue:
             job.future.set_exception(exc)
         else:
             job.future.set_result(result)
+
+
+def pack_size(clef: Any, prepared: Any) -> int:
+    """Decisions the model's tower packs with this one (1: none; a model without run_many)."""
+    policy = getattr(getattr(clef, "tower", None), "pack_size", None)
+    if policy is None or not hasattr(clef, "run_many"):
+        return 1
+    return policy(prepared.encoded.n_tokens)
 
 
 class ClientGone(Exception):

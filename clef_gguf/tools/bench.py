@@ -53,6 +53,19 @@ def sized_request(clef, tokens: int) -> dict:
     return {**base, "state": SENTENCE * n}
 
 
+def records(clef, tokens: int, n: int, mixed: bool = False) -> list[dict]:
+    """``n`` distinct requests of about ``tokens`` tokens, one question set: a bulk job's shape.
+    ``mixed``: their states cut to 80-100 % of the length, so that no two prompts are as long."""
+    base = sized_request(clef, tokens)
+    out = []
+    for i in range(n):
+        state = base["state"].replace("4471", str(4471 + i), 1) or f"record {i}"
+        if mixed:
+            state = state[:round(len(state) * (0.8 + 0.2 * i / max(1, n - 1)))] + f" #{i}"
+        out.append({**base, "state": state})
+    return out
+
+
 def measure(clef, request: dict, repeat: int) -> dict:
     clef.run(clef.prepare(request))  # warm-up: page in the mmap, fill the lexical cache
     runs = [clef.run(clef.prepare(request))[1] for _ in range(repeat)]
@@ -68,16 +81,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=positive_int, default=400, help="prompt size to aim for (default 400)")
     p.add_argument("--repeat", type=positive_int, default=5,
                    help="measured runs after one warm-up (default 5)")
-    p.add_argument("--versus", choices=["prefill", "reuse", "transformers"],
+    p.add_argument("--versus", choices=["prefill", "reuse", "transformers", "llama-server", "packed"],
                    help="instead of the stage split, a side-by-side ratio (alternating rounds, "
                         "median and spread): prefill = a decision vs a bare llama.cpp prefill of "
                         "the same ids; reuse = 4 question sets about one --tokens state with the "
                         "state cache vs 4 plain decisions; transformers = a decision vs the "
-                        "transformers reference of --release")
+                        "transformers reference of --release; llama-server = a decision and 4 "
+                        "question sets vs upstream llama-server's native clef path (see below); "
+                        "packed = --requests decisions of about --tokens tokens with --pack prompts "
+                        "per llama_decode vs one at a time")
     p.add_argument("--release", help="the Hugging Face release directory, for --versus "
                    "transformers (the demo keeps it in DEMO_DIR/release)")
     p.add_argument("--rounds", type=positive_int, default=7,
                    help="rounds for --versus (default 7)")
+    p.add_argument("--pack", type=positive_int, default=4,
+                   help="prompts per llama_decode, for --versus packed (default 4)")
+    p.add_argument("--requests", type=positive_int, default=8,
+                   help="distinct records per round, for --versus packed (default 8)")
+    p.add_argument("--mixed", action="store_true",
+                   help="--versus packed on records of 80-100 %% of --tokens, no two as long")
+    p.add_argument("--synthetic", action="store_true",
+                   help="--versus packed on the tower alone, prompts of exactly --tokens synthetic ids "
+                        "(for sizes the model's template cannot make)")
+    from clef_gguf.tools import versus_server
+
+    versus_server.add_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -87,7 +115,16 @@ def run(args: argparse.Namespace) -> int:
         if args.versus:
             from clef_gguf.tools import versus
 
-            if args.versus == "prefill":
+            if args.versus == "llama-server":
+                from clef_gguf.tools import versus_server
+
+                result = versus_server.from_args(clef, args, sized_request(clef, args.tokens), REUSE_SETS)
+            elif args.versus == "packed" and args.synthetic:
+                result = versus.versus_packed_tower(clef, args.tokens, args.requests, args.pack, args.rounds)
+            elif args.versus == "packed":
+                result = versus.versus_packed(clef, records(clef, args.tokens, args.requests, args.mixed),
+                                              args.pack, args.rounds) | {"mixed": args.mixed}
+            elif args.versus == "prefill":
                 result = versus.versus_prefill(clef, sized_request(clef, args.tokens), args.rounds)
             elif args.versus == "transformers":
                 if not args.release:

@@ -7,6 +7,10 @@ spread, so a noisy machine moves both sides alike. Never a timed assertion: numb
 - ``reuse``: four question sets about one state with the state cache vs four plain decisions.
 - ``transformers``: a decision vs the transformers reference of the same release (backbone + head,
   fp32, the same torch threads) on the same request.
+- ``packed``: several decisions with ``--pack`` prompts per llama_decode vs the same decisions one at
+  a time (``Clef.run_many``, state cache off), and how far their probabilities are apart; with
+  ``--synthetic``, the tower alone on prompts of exactly ``--tokens`` ids, for sizes the model's own
+  template cannot make (the demo tokenizer spends ~300 tokens on the template).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from collections.abc import Callable
 import llama_cpp as ll
 import numpy as np
 
+from clef_gguf import answer
 from clef_gguf.statecache import StateCache
 from clef_gguf.tower import extra_buffer_types
 
@@ -129,3 +134,68 @@ def versus_transformers(clef, request: dict, release: str, rounds: int) -> dict:
     return {"versus": "transformers", "tokens": int(clef.prepare(request).encoded.n_tokens),
             "a": "clef-gguf decide (no cache)", "b": "transformers backbone + head, fp32", **result}
 
+
+
+# The release's system prefix is 36 tokens (clef-reference.md section 7): the synthetic prompts' too.
+SYNTHETIC_PREFIX = 36
+
+
+def _agreement(clef, prepared: list, pack: int) -> dict:
+    """max |dh| and max |dp| between the packed and the one-by-one hidden states of ``prepared``."""
+    prompts = [(p.encoded.ids, p.encoded.prefix_tokens, p.encoded.state_tokens) for p in prepared]
+    packed = clef.tower.forward_many(prompts, None, pack=pack)
+    dh, dp = [], []
+    for p, prompt, got in zip(prepared, prompts, packed):
+        ref = clef.tower.forward(*prompt, None)[0]
+        dh.append(float(np.abs(got[0] - ref).max()))
+        a, b = (clef._head_logits(p.encoded, h)[0] for h in (got[0], ref))
+        pa, pb = (answer.split_probabilities(x, p.encoded.option_counts) for x in (a, b))
+        dp.append(max(float(np.abs(x - y).max()) for x, y in zip(pa, pb)))
+    return {"max_abs_dh": max(dh, default=0.0), "max_abs_dp": max(dp, default=0.0)}
+
+
+def versus_packed(clef, requests: list[dict], pack: int, rounds: int) -> dict:
+    prepared = [clef.prepare(r) for r in requests]
+    saved, clef.state_cache = clef.state_cache, StateCache(0)  # every round decodes every prompt
+    try:
+        clef.run_many(prepared, pack=pack)  # warm-up both; makes the packed context
+        clef.run_many(prepared, pack=1)
+        clef.tower.pack_stats.clear()
+        result = alternate(lambda: clef.run_many(prepared, pack=pack),
+                           lambda: clef.run_many(prepared, pack=1), rounds)
+        decodes = {str(k): v // rounds for k, v in sorted(clef.tower.pack_stats.items())}
+        result |= _agreement(clef, prepared, pack)
+    finally:
+        clef.state_cache = saved
+    tokens = [p.encoded.n_tokens for p in prepared]
+    return {"versus": "packed", "pack": pack, "requests": len(requests),
+            "tokens": [min(tokens), max(tokens)],
+            "a": f"{len(requests)} decisions, {pack} prompts per llama_decode",
+            "b": f"{len(requests)} decisions one at a time",
+            "packed_decodes_per_round": decodes, **result}
+
+
+def versus_packed_tower(clef, tokens: int, n: int, pack: int, rounds: int) -> dict:
+    """The tower alone: ``n`` prompts of ``tokens`` ids (a shared prefix, distinct states, one shared
+    schema half as long as the state), packed vs one at a time, no cache."""
+    tower = clef.tower
+    rng = np.random.default_rng(0)
+    prefix = min(SYNTHETIC_PREFIX, tokens - 2)
+    rest = max(1, (tokens - prefix) // 3)
+    schema = rng.integers(0, tower.n_vocab, rest, dtype=np.int32)
+    head = rng.integers(0, tower.n_vocab, prefix, dtype=np.int32)
+    prompts = [(np.concatenate([head, rng.integers(0, tower.n_vocab, tokens - prefix - rest, dtype=np.int32),
+                                schema]), prefix, tokens - prefix - rest) for _ in range(n)]
+    tower.forward_many(prompts, None, pack=pack)  # warm-up both; makes the packed context
+    for prompt in prompts:
+        tower.forward(*prompt, None)
+    tower.pack_stats.clear()
+    result = alternate(lambda: tower.forward_many(prompts, None, pack=pack),
+                       lambda: [tower.forward(*prompt, None) for prompt in prompts], rounds)
+    decodes = {str(k): v // rounds for k, v in sorted(tower.pack_stats.items())}
+    packed = tower.forward_many(prompts, None, pack=pack)
+    dh = max(float(np.abs(got[0] - tower.forward(*prompt, None)[0]).max()) for got, prompt in zip(packed, prompts))
+    return {"versus": "packed", "synthetic": True, "pack": pack, "requests": n, "tokens": [tokens, tokens],
+            "segments": {"prefix": prefix, "state": tokens - prefix - rest, "schema": rest},
+            "a": f"tower, {n} prompts, {pack} per llama_decode", "b": f"tower, {n} prompts one at a time",
+            "packed_decodes_per_round": decodes, **result, "max_abs_dh": dh}

@@ -187,3 +187,42 @@ def head_source(repo: str, revision: str, head: dict[str, bytes]) -> dict:
                 "head_config": {"file": "joint_head_config.json"},
                 "tokenizer": {"file": "tokenizer.json", "sha256": sha256(head["tokenizer.json"])}}}
 
+
+
+def nvfp4_checkpoint(*, shards: int = 1, head: dict[str, bytes] | None = None, scheme: str = "W4A16",
+                     seed: int = 0) -> dict[str, bytes]:
+    """The files of a tiny placeholder compressed-tensors NVFP4 checkpoint repository (file name ->
+    bytes): config.json with its quantization_config, ``shards`` real safetensors files of packed
+    tensors (+ model.safetensors.index.json when sharded), tokenizer files, ``head`` (the head files,
+    or none: the repo then lacks them), and files a pull must leave alone (the card's runtime code, a
+    README, a nested folder). Never run: pull and list only read names, config.json and the index."""
+    import numpy as np
+    from safetensors.numpy import save
+
+    rng = np.random.default_rng(seed)
+    activations = None if scheme == "W4A16" else {"num_bits": 4, "type": "float", "strategy": "tensor_group",
+                                                  "group_size": 16, "dynamic": "local"}
+    config = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+              "quantization_config": {
+                  "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+                  "quantization_status": "compressed", "ignore": ["lm_head", "re:.*embed_tokens"],
+                  "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": activations,
+                                                "weights": {"num_bits": 4, "type": "float", "group_size": 16,
+                                                            "strategy": "tensor_group", "symmetric": True}}}}}
+    files = {"config.json": json.dumps(config).encode(), "tokenizer.json": b'{"model": {}}',
+             "tokenizer_config.json": b"{}", "README.md": b"# card", "clef_rt.py": b"raise SystemExit",
+             "generation_config.json": b"{}", "extra/nested.safetensors": b"not taken"}
+    names = (["model.safetensors"] if shards == 1 else
+             [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)])
+    weight_map = {}
+    for i, name in enumerate(names):
+        prefix = f"model.language_model.layers.{i}.mlp.down_proj"
+        tensors = {f"{prefix}.weight_packed": rng.integers(0, 256, (16, 8), dtype=np.uint8),
+                   f"{prefix}.weight_scale": rng.integers(0, 127, (16, 2), dtype=np.uint8),
+                   f"{prefix}.weight_global_scale": np.array([448.0 * 6], dtype=np.float32)}
+        files[name] = save(tensors)
+        weight_map.update(dict.fromkeys(tensors, name))
+    if shards > 1:
+        files["model.safetensors.index.json"] = json.dumps({"metadata": {}, "weight_map": weight_map}).encode()
+    files.update(head or {})
+    return files

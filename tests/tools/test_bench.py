@@ -43,3 +43,18 @@ def test_bench_versus_transformers(tiny_model_dir, tiny_release):
     missing = subprocess.run(["clef-gguf", "bench", "--model", str(tiny_model_dir), "--versus",
                               "transformers"], capture_output=True, text=True, timeout=300)
     assert missing.returncode == 2 and json.loads(missing.stdout)["error"]["field"] == "release"
+
+
+def test_bench_versus_packed(tiny_model_dir):
+    """``--versus packed`` (decisions, and the tower alone on synthetic prompts) runs and reports the
+    ratio, the packed decodes and how far the answers are apart; no timing is asserted."""
+    for extra in (["--tokens", "300", "--mixed"], ["--synthetic", "--tokens", "100"]):
+        proc = subprocess.run(["clef-gguf", "bench", "--model", str(tiny_model_dir), "--versus", "packed",
+                               "--pack", "2", "--requests", "4", "--rounds", "2", *extra],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        out = json.loads(proc.stdout)
+        assert out["versus"] == "packed" and out["pack"] == 2 and out["requests"] == 4
+        assert out["ratio_min"] <= out["ratio_median"] <= out["ratio_max"]
+        assert out["max_abs_dh"] == 0.0 and out.get("max_abs_dp", 0.0) == 0.0
+        assert "2" in out["packed_decodes_per_round"]

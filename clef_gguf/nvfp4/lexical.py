@@ -1,0 +1,38 @@
+"""Lexical rows of an NVFP4 checkpoint: option-token rows of its high-precision ``lm_head``.
+
+The recipes keep ``lm_head`` in bf16 because the head averages its rows as option vectors; we
+read only the rows a request needs, through the same bounded store as the GGUF path.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from clef_gguf.errors import CorruptModel
+from clef_gguf.lexical import CACHE_BYTES, LexicalRows
+from clef_gguf.nvfp4.checkpoint import Checkpoint
+
+
+class CheckpointRows(LexicalRows):
+    """``rows(token_ids) -> float32 [n, H]`` read from the checkpoint's ``lm_head.weight``."""
+
+    def __init__(self, checkpoint: Checkpoint, max_bytes: int = CACHE_BYTES):
+        self.tensor_name = checkpoint.lm_head
+        shape = checkpoint.shape(self.tensor_name)
+        if len(shape) != 2:
+            raise CorruptModel(f"{self.tensor_name} has shape {shape}, not [vocab, hidden]",
+                               field="tower")
+        if self.tensor_name.endswith(".weight_packed"):
+            raise CorruptModel("lm_head is NVFP4-quantized: the head needs its rows in high "
+                               "precision", field="tower")
+        self._checkpoint = checkpoint
+        self._dtype = checkpoint.dtype(self.tensor_name)
+        self._init_store(shape[1], shape[0], max_bytes)  # torch order: [vocab, H]
+
+    @property
+    def type_name(self) -> str:
+        return self._dtype
+
+    def _dequantize(self, ids: np.ndarray) -> np.ndarray:
+        rows = self._checkpoint.rows(self.tensor_name, [int(i) for i in ids])
+        return rows.float().numpy().reshape(len(ids), self.hidden_size)

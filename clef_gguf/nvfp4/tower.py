@@ -1,0 +1,180 @@
+"""The NVFP4 tower: the same ``forward(ids, prefix, state, cache)`` as the llama.cpp tower.
+
+Prompts are decoded on the same canonical schedule, ``[prefix][state][rest]`` each as its own
+segment continuing one cache, so a restored prefix or state (a copy of the transformers cache:
+KV cells, conv and recurrent states) gives bit-identical hidden states to a fresh decode.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from clef_gguf.cpus import available_cpus
+from clef_gguf.errors import InferenceError, InvalidValue
+from clef_gguf.nvfp4.checkpoint import Checkpoint
+from clef_gguf.nvfp4.kernels import kernel_name
+from clef_gguf.nvfp4.model import TextModel
+from clef_gguf.statecache import Snapshot, StateCache
+
+log = logging.getLogger("clef_gguf.nvfp4")
+# Compute dtype per device: fp32 on the CPU (the reference's numerics; bf16 matmuls are slow
+# there), bf16 on CUDA (what the checkpoints' own runtime uses).
+DTYPES = {"cpu": torch.float32, "cuda": torch.bfloat16}
+CPU_WARNING = ("the nvfp4 backend is running on the CPU (no CUDA device): weights are dequantized "
+               "layer by layer at every call, which is slow; a GGUF quant is the fast CPU path")
+
+
+@dataclass(frozen=True)
+class _CacheCopy:
+    """A transformers cache kept in the state cache; ``nbytes`` is what the budget counts."""
+
+    cache: object
+    nbytes: int
+
+
+def pick_device(gpu_layers: int | str) -> torch.device:
+    """``auto``/``all``/-1: CUDA when there is one; 0: the CPU. A partial count cannot be done:
+    this tower is not split between devices."""
+    if gpu_layers in (0, "0"):
+        return torch.device("cpu")
+    if gpu_layers not in ("auto", "all", -1, None):
+        raise InvalidValue(f"the nvfp4 backend places the whole tower on one device: gpu_layers "
+                           f"must be auto, all or 0 (got {gpu_layers!r})", field="gpu_layers")
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+class NVFP4Tower:
+    def __init__(self, checkpoint: Checkpoint, model: TextModel, n_ctx: int, threads: int):
+        self.checkpoint, self.model = checkpoint, model
+        self.path = checkpoint.directory
+        self._n_ctx, self._threads = n_ctx, threads
+        self._lock = threading.Lock()
+        self._prefix: tuple[bytes, Snapshot] | None = None
+        self.closed = False
+        self.kernel = kernel_name(model.device, checkpoint.scheme.activations)
+
+    @classmethod
+    def load(cls, config_path: str | Path, *, n_ctx: int = 16384, threads: int | None = None,
+             gpu_layers: int | str = "auto") -> NVFP4Tower:
+        if threads is not None and (not isinstance(threads, int) or threads < 1):
+            raise InvalidValue(f"threads must be a whole number >= 1 (got {threads!r})", field="threads")
+        device = pick_device(gpu_layers)
+        checkpoint = Checkpoint(config_path)
+        threads = threads or available_cpus()
+        torch.set_num_threads(threads)
+        model = TextModel(checkpoint, device=device, dtype=DTYPES[device.type])
+        tower = cls(checkpoint, model, n_ctx, threads)
+        if device.type == "cpu":
+            log.warning(CPU_WARNING)
+        log.info("nvfp4 tower (%s) on %s: %s", checkpoint.scheme.name, device, tower.kernel)
+        return tower
+
+    @property
+    def n_embd(self) -> int:
+        return self.model.hidden_size
+
+    @property
+    def n_vocab(self) -> int:
+        return self.model.vocab_size
+
+    @property
+    def n_ctx(self) -> int:
+        return self._n_ctx
+
+    @property
+    def threads(self) -> int:
+        return self._threads
+
+    @property
+    def gpu_layers(self) -> int:
+        return -1 if self.model.device.type == "cuda" else 0
+
+    @property
+    def uses_nextn(self) -> bool:
+        return True  # lm_head is never run over the prompt: only option rows are read
+
+    @property
+    def device(self) -> str:
+        return str(self.model.device)
+
+    def _checked(self, ids: np.ndarray) -> np.ndarray:
+        ids = np.ascontiguousarray(ids, dtype=np.int32)
+        n = int(ids.shape[0])
+        if n == 0 or n > self.n_ctx:
+            raise InferenceError(f"a prompt of {n} tokens does not fit the context of {self.n_ctx}")
+        bad = ids[(ids < 0) | (ids >= self.n_vocab)]
+        if bad.size:
+            raise InferenceError(f"token id {int(bad[0])} is outside the vocab of {self.n_vocab}")
+        if self.closed:
+            raise InferenceError("the tower is closed")
+        return ids
+
+    def _decode(self, ids: np.ndarray, cache, past: int) -> np.ndarray:
+        if len(ids) == 0:
+            return np.empty((0, self.n_embd), dtype=np.float32)
+        hidden = self.model.hidden(torch.from_numpy(ids.astype(np.int64)), cache, past)
+        return hidden.float().cpu().numpy()
+
+    def _snapshot(self, cache, n: int, hidden: np.ndarray) -> Snapshot:
+        kept = self.model.copy_cache(cache)
+        return Snapshot(n, _CacheCopy(kept, self.model.cache_bytes(kept)), hidden)
+
+    def hidden_states(self, ids: np.ndarray) -> np.ndarray:
+        """Hidden states of one prompt decoded from scratch, as one segment (no reuse)."""
+        with self._lock:
+            return self._decode(self._checked(ids), None, 0)
+
+    def forward(self, ids: np.ndarray, prefix: int, state: int,
+                cache: StateCache | None = None) -> tuple[np.ndarray, int]:
+        cache = cache if cache is not None and cache.max_bytes > 0 else None
+        ids = np.ascontiguousarray(ids, dtype=np.int32)
+        prompt_key = cache.key("prompt", ids) if cache is not None else None
+        if cache is not None and (hit := cache.get(prompt_key)) is not None:
+            return hit.hidden.copy(), hit.n_tokens
+        with self._lock:
+            ids = self._checked(ids)
+            hidden, cached = self._forward_locked(ids, prefix, state, cache)
+        if cache is not None:
+            cache.put(prompt_key, Snapshot(len(ids), None, hidden.copy()))
+        return hidden, cached
+
+    def _forward_locked(self, ids: np.ndarray, prefix: int, state: int,
+                        cache: StateCache | None) -> tuple[np.ndarray, int]:
+        head = prefix + state
+        state_key = cache.key("state", ids[:head]) if cache is not None and state else None
+        known = cache.get(state_key) if state_key else None
+        if known is not None:
+            seq = self.model.copy_cache(known.seq_state.cache)
+            parts, cached = [known.hidden], head
+        else:
+            key = ids[:prefix].tobytes()
+            if self._prefix is not None and self._prefix[0] == key:
+                seq = self.model.copy_cache(self._prefix[1].seq_state.cache)
+                parts, cached = [self._prefix[1].hidden], prefix
+            else:
+                seq = self.model.new_cache()
+                parts, cached = [self._decode(ids[:prefix], seq, 0)], 0
+                self._prefix = (key, self._snapshot(seq, prefix, parts[0]))
+            if state:
+                parts.append(self._decode(ids[prefix:head], seq, prefix))
+                if state_key:
+                    cache.put(state_key, self._snapshot(seq, head, np.concatenate(parts)))
+        if head < len(ids):
+            parts.append(self._decode(ids[head:], seq, head))
+        return np.concatenate(parts), cached
+
+    def close(self) -> None:
+        with self._lock:  # the weights go with the last reference; later calls get a clear error
+            self.closed, self._prefix = True, None
+
+    def __enter__(self) -> NVFP4Tower:
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self.close()

@@ -1,0 +1,269 @@
+"""A random Clef model at full size, written straight to GGUF by streaming tensors (not in CI).
+
+    python -m clef_gguf.convert.big OUT [--preset flash9b] [--outtype Q4_K_M] [--layers N]
+
+``flash9b`` has Clef-Flash's 9B shape (hidden 4096, 32 layers 3:1 linear/full, 16/4 attention
+heads of 256, feed-forward 12288, 16/32 linear key/value heads of 128, a 248,320-row vocab) and the
+full-size joint head (width 1024, 2 routing + 4 decoder layers, 16 heads, feed-forward 4096).
+RANDOM WEIGHTS: for timing and memory measurements only; the answers mean nothing.
+
+``convert.tiny`` would write an 18 GB safetensors release first, one shard in memory at a time
+(~37 GB of f32 for the 9B). Here no release exists: each tower tensor is drawn, edited as
+``hf_to_gguf`` would edit it, encoded and appended to a bf16 GGUF, then the next; tensors over
+``CHUNK_ELEMENTS`` (the embedding and the lm_head, 1.0B values each) are drawn and written in row
+blocks as the file is written. Peak memory is one ~200 MB tensor. llama.cpp's quantizer
+(``convert.quantize``) then makes the published type and the bf16 intermediate is deleted. The
+head files and ``tokenizer.json`` are written as ``convert.tiny`` writes them (small).
+
+For a tiny preset the tower tensors are the ones ``build_release`` + ``convert_release`` give
+(tested): the same generator, drawn in the same order (vision and MTP tensors are drawn and
+dropped so that the sequence stays in step). ``--layers`` keeps every shape and writes fewer
+blocks: a quick run to time before the full one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+from clef_gguf import files
+from clef_gguf.convert import gguf_vocab, quantize, tiny
+from clef_gguf.convert import tensor_map as tm
+from clef_gguf.convert.hf_to_gguf import SUPPORTED, _add_metadata, stream_gguf, text_dims
+from clef_gguf.errors import ConversionError
+
+BIG_PRESETS: dict[str, dict] = {
+    # Clef-Flash (Qwen3.5-9B text tower) with the real head; vocab padded past the demo tokenizer.
+    "flash9b": dict(hidden=4096, layers=32, interval=4, ffn=12288, heads=16, kv_heads=4, head_dim=256,
+                    lin_k_heads=16, lin_v_heads=32, lin_head_dim=128, bpe_vocab=512, vocab_size=248320,
+                    mrope=[11, 11, 10], rope_theta=10_000_000.0, max_pos=262144, shards=1,
+                    head=dict(hidden_size=4096, width=1024, routing_layers=2, layers=4, heads=16,
+                              feedforward=4096)),
+}
+# Tensors with more values than this are drawn in row blocks of at most this many values.
+CHUNK_ELEMENTS = 1 << 26
+# Bytes per value of the tower written, for the free-disk check. Every llama.cpp quant counts as
+# Q8_0, the largest (Q4_K_M is ~0.63): the check may ask for a few GB too many, never too few.
+_BYTES_PER_VALUE = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 1.07}
+_QUANT_BYTES_PER_VALUE = 1.07
+RANDOM_WARNING = "RANDOM WEIGHTS - for timing only; the answers mean nothing."
+
+
+def presets() -> dict[str, dict]:
+    return {**tiny.PRESETS, **BIG_PRESETS}
+
+
+def preset_config(preset: str, layers: int | None = None) -> dict:
+    if preset not in presets():
+        raise ConversionError(f"unknown preset {preset!r}; choose one of {', '.join(presets())}")
+    p = dict(presets()[preset])
+    if layers is not None:
+        if layers < 1 or layers % p["interval"]:
+            raise ConversionError(f"--layers must be a positive multiple of {p['interval']} "
+                                  "(the full-attention interval), so the 3:1 pattern stays whole")
+        p["layers"] = layers
+    return p
+
+
+@dataclass
+class _Item:
+    hf_name: str          # as convert.tiny names it
+    shape: list[int]      # Hugging Face shape
+    rule: tuple           # convert.tiny's init rule
+    gguf_name: str | None  # None: a vision/MTP tensor, drawn and dropped
+    edits: tuple[str, ...] = ()
+    qtype: gguf.GGMLQuantizationType | None = None
+    layout: tuple = ()
+
+
+def plan(p: dict, outtype: str, tok) -> tuple[dict, tm.Dims, list[_Item]]:
+    """(text config, dims, every tensor of convert.tiny's list in its draw order, mapped)."""
+    text = tiny.make_config(p, tok)["text_config"]
+    d = text_dims(text, tied=False)
+    prefix = SUPPORTED["Qwen3_5ForConditionalGeneration"][1]
+    items = []
+    for name, shape, rule in tiny.tensor_specs(p):
+        if name.startswith(tm.SKIP_PREFIXES):
+            items.append(_Item(name, shape, rule, None))
+            continue
+        rel = name if name == "lm_head.weight" else name[len(prefix):]
+        gg, edits = tm.gguf_name(rel)
+        out_shape = tm.output_shape(shape, edits)
+        qtype = tm.storage_type(gg, out_shape, outtype)
+        items.append(_Item(name, shape, rule, gg, edits, qtype, tm.encoded_layout(out_shape, qtype)))
+    return text, d, items
+
+
+def _encode(values: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
+    # bf16 through torch (one pass); the values are bf16 already, so the bits are gguf-py's too.
+    if qtype == gguf.GGMLQuantizationType.BF16:
+        return values.to(torch.bfloat16).contiguous().view(torch.int16).numpy()
+    return tm.encode(values.to(torch.float32).numpy(), qtype)
+
+
+class _RowBlocks:
+    """A tensor GGUFWriter writes without holding it: ``write_tensor_data`` only reads ``nbytes``
+    and calls ``tofile``, so the rows are drawn there, block by block, in file order. Drawing at
+    write time keeps the shared generator in the same order as the file."""
+
+    def __init__(self, item: _Item, gen: torch.Generator):
+        kind, self.scale = item.rule
+        if kind != "normal" or item.edits or len(item.shape) != 2:
+            raise ConversionError(f"{item.hf_name} is too large to draw at once and is not a plain "
+                                  "matrix: raise CHUNK_ELEMENTS or split its edits")
+        self.item, self.gen = item, gen
+        self.nbytes = item.layout[2]
+        self.rows = max(1, CHUNK_ELEMENTS // item.shape[1])
+
+    def tofile(self, fh) -> None:
+        n_rows, n_cols = self.item.shape
+        for start in range(0, n_rows, self.rows):
+            block = torch.randn((min(self.rows, n_rows - start), n_cols), generator=self.gen) * self.scale
+            _encode(block.to(torch.bfloat16), self.item.qtype).tofile(fh)
+
+
+def _payloads(items: list[_Item], d: tm.Dims, gen: torch.Generator):
+    for item in items:
+        if math.prod(item.shape) > CHUNK_ELEMENTS and item.gguf_name is not None:
+            yield _RowBlocks(item, gen)
+            continue
+        # As build_release stores it (bf16), then as hf_to_gguf reads and edits it (f32).
+        values = tiny._init(item.shape, item.rule, gen).to(torch.bfloat16)
+        if item.gguf_name is None:
+            continue  # drawn only to keep the generator in step with build_release
+        yield _encode(tm.apply_edits(values.to(torch.float32), item.edits, d), item.qtype)
+
+
+def write_random_tower(path, *, preset: str = "flash9b", outtype: str = "bf16", seed: int = 0,
+                       layers: int | None = None, tokenizer_json=None, name: str | None = None) -> dict:
+    """Stream a random qwen35 tower GGUF of ``preset`` into ``path``; returns a summary.
+
+    ``outtype`` is one of the converter's direct types (f32/f16/bf16/q8_0); ``tokenizer_json`` the
+    file whose vocabulary goes into the GGUF (default: the demo tokenizer, trained here).
+    """
+    if outtype not in tm.OUTTYPES:
+        raise ConversionError(f"the streaming writer writes {', '.join(tm.OUTTYPES)}; quantize after")
+    p = preset_config(preset, layers)
+    tok = tiny.build_tokenizer(p["bpe_vocab"])
+    text, d, items = plan(p, outtype, tok)
+    if tokenizer_json is None:
+        tokenizer_json = Path(path).with_name(Path(path).name + ".tokenizer.json")
+        tok.save(str(tokenizer_json))
+        cleanup = tokenizer_json
+    else:
+        cleanup = None
+    try:
+        vocab = gguf_vocab.read_vocab(Path(tokenizer_json), d.vocab, tiny._tokenizer_config(tok), text)
+    finally:
+        if cleanup is not None:
+            cleanup.unlink(missing_ok=True)
+    writer = gguf.GGUFWriter(path=None, arch="qwen35")
+    _add_metadata(writer, text, d, outtype, name or f"clef-random-{preset}-seed{seed}")
+    gguf_vocab.add_to_writer(writer, vocab)
+    written = [item for item in items if item.gguf_name is not None]
+    for item in written:
+        shape, dtype, nbytes = item.layout
+        writer.add_tensor_info(item.gguf_name, shape, dtype, nbytes, raw_dtype=item.qtype)
+    start = time.perf_counter()
+    stream_gguf(writer, Path(path), _payloads(items, d, torch.Generator().manual_seed(seed)))
+    return {"tensors": len(written), "values": sum(math.prod(i.shape) for i in written),
+            "bytes": Path(path).stat().st_size, "seconds": round(time.perf_counter() - start, 1)}
+
+
+def _free_bytes(out: Path) -> int:
+    base = out.absolute()
+    while not base.is_dir():
+        base = base.parent
+    return shutil.disk_usage(base).free
+
+
+def needed_bytes(p: dict, outtype: str) -> tuple[int, int]:
+    """(intermediate bf16 tower, final tower) sizes, estimated from the tensor list."""
+    values = sum(math.prod(shape) for name, shape, _ in tiny.tensor_specs(p)
+                 if not name.startswith(tm.SKIP_PREFIXES))
+    final = values * _BYTES_PER_VALUE.get(outtype, _QUANT_BYTES_PER_VALUE)
+    return (0 if outtype in tm.OUTTYPES else values * 2), int(final)
+
+
+def build_random_model(out, *, preset: str = "flash9b", outtype: str = "Q4_K_M", seed: int = 0,
+                       layers: int | None = None, threads: int | None = None) -> dict:
+    """A clef-gguf model directory ``out`` (tower, head files, tokenizer, manifest); returns a summary."""
+    outtype = quantize.canonical_outtype(outtype)
+    p = preset_config(preset, layers)
+    out = Path(out)
+    mid_bytes, final_bytes = needed_bytes(p, outtype)
+    head_bytes = 1 << 30  # the full-size head in bf16 is ~0.3 GB; a margin for the manifest's temp
+    free = _free_bytes(out)
+    if free < mid_bytes + final_bytes + head_bytes:
+        raise ConversionError(f"{out}: needs ~{(mid_bytes + final_bytes + head_bytes) / 1e9:.1f} GB free "
+                              f"(intermediate {mid_bytes / 1e9:.1f} GB + tower {final_bytes / 1e9:.1f} GB "
+                              f"+ head), has {free / 1e9:.1f} GB")
+    name = f"clef-random-{preset}{'' if layers is None else f'-{layers}l'}-seed{seed}"
+    timings = {}
+    start = time.perf_counter()
+    with files.staged_directory(out) as stage:
+        tok = tiny.build_tokenizer(p["bpe_vocab"])
+        tok.save(str(stage / files.TOKENIZER))
+        t0 = time.perf_counter()
+        tiny._write_head(stage, p["head"], seed)
+        timings["head_s"] = round(time.perf_counter() - t0, 1)
+        tower = f"tower-{outtype}.gguf"
+        if outtype in tm.OUTTYPES:
+            written = write_random_tower(stage / tower, preset=preset, outtype=outtype, seed=seed,
+                                         layers=layers, tokenizer_json=stage / files.TOKENIZER, name=name)
+            timings["write_s"] = written["seconds"]
+        else:
+            mid = stage / ".intermediate-bf16.gguf"
+            written = write_random_tower(mid, preset=preset, outtype="bf16", seed=seed, layers=layers,
+                                         tokenizer_json=stage / files.TOKENIZER, name=name)
+            timings["write_s"] = written["seconds"]
+            try:
+                quant = quantize.quantize_file(mid, stage / tower, outtype, threads=threads)
+            finally:
+                mid.unlink(missing_ok=True)  # 18 GB for the 9B: never left behind
+            timings["quantize_s"] = quant["seconds"]
+            written["quantization"] = {k: quant[k] for k in ("tensor_types", "output_weight")}
+        source = {"random_weights": True, "preset": preset, "layers": p["layers"], "seed": seed,
+                  "generator": "clef_gguf.convert.big", "intermediate_bytes": written["bytes"]}
+        files.write_manifest(stage, name, outtype,
+                             {"tower": tower, "head_weights": files.HEAD_WEIGHTS,
+                              "head_config": files.HEAD_CONFIG, "tokenizer": files.TOKENIZER},
+                             extra={"source": source})
+        tower_bytes = (stage / tower).stat().st_size
+    timings["total_s"] = round(time.perf_counter() - start, 1)
+    return {"model_dir": str(out), "tower": str(out / tower), "outtype": outtype, "preset": preset,
+            "layers": p["layers"], "tensors": written["tensors"], "values": written["values"],
+            "tower_bytes": tower_bytes, **timings, "warning": RANDOM_WARNING}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m clef_gguf.convert.big", description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", help="output model directory (created if missing)")
+    ap.add_argument("--preset", choices=list(presets()), default="flash9b",
+                    help="shape (default flash9b: Clef-Flash's 9B tower and full-size head)")
+    ap.add_argument("--outtype", default="Q4_K_M", metavar="TYPE",
+                    help="f32/f16/bf16/q8_0 (written directly) or a llama.cpp quant (default Q4_K_M)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+    ap.add_argument("--layers", type=int, help="write only this many blocks (a multiple of 4), "
+                    "same shapes: time a short run before the full one")
+    ap.add_argument("--threads", type=int, help="quantizer threads (default: all available)")
+    args = ap.parse_args(argv)
+    print(f"clef_gguf.convert.big: {RANDOM_WARNING}", file=sys.stderr)
+    summary = build_random_model(args.out, preset=args.preset, outtype=args.outtype, seed=args.seed,
+                                 layers=args.layers, threads=args.threads)
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

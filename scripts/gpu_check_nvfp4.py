@@ -1,0 +1,88 @@
+"""The nvfp4 backend on a CUDA machine: which kernel runs, GPU vs CPU agreement, and latency.
+
+Run by scripts/gpu-check.sh after the nvfp4 tests. For the tiny and a Qwen3.5-0.8B-shaped random
+release, each quantized to NVFP4A16 and NVFP4 (W4A4) with our converter: the median latency of
+one decision on the GPU (alternating the two schemes, 7 rounds), and for the tiny model max |dp|
+between the GPU (bf16) and the CPU (fp32) runs. It also records whether torch's FP4 GEMM is
+refused on this GPU (expected before Blackwell). Prints one JSON report; exit 1 when CUDA is
+absent or the GPU and CPU disagree by more than 0.05.
+"""
+
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from clef_gguf import Clef
+from clef_gguf.convert.nvfp4 import quantize_release
+from clef_gguf.convert.tiny import build_release
+from clef_gguf.nvfp4 import kernels
+from clef_gguf.tools.parity import SAMPLE_REQUESTS
+
+ROUNDS = 7
+REQUEST = {**SAMPLE_REQUESTS[2]}  # ~400 tokens
+
+
+def scaled_mm_probe() -> str:
+    """What torch's FP4 GEMM says on this GPU (an error before Blackwell)."""
+    try:
+        a = torch.zeros(128, 64, dtype=torch.uint8, device="cuda").view(torch.float4_e2m1fn_x2)
+        b = torch.zeros(128, 64, dtype=torch.uint8, device="cuda").view(torch.float4_e2m1fn_x2)
+        s = torch.ones(128 * 8, dtype=torch.float8_e4m3fn, device="cuda")
+        torch._scaled_mm(a, b.t(), s, s, out_dtype=torch.bfloat16)
+        return "ran"
+    except Exception as exc:  # the refusal is the finding
+        return f"refused: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+
+
+def latency(model_dir: Path) -> list[float]:
+    with Clef.load(model_dir, gpu_layers="all", state_cache_mb=0, max_length=4096) as clef:
+        clef.decide(REQUEST)  # warm-up: CUDA context, kernels
+        out = []
+        for _ in range(ROUNDS):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            clef.decide(REQUEST)
+            torch.cuda.synchronize()
+            out.append((time.perf_counter() - start) * 1e3)
+        return out
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print(json.dumps({"error": "no CUDA device"}))
+        return 1
+    dev = torch.device("cuda")
+    report = {"gpu": torch.cuda.get_device_name(0), "capability": list(torch.cuda.get_device_capability(0)),
+              "native_fp4": kernels.native_fp4(dev), "scaled_mm_fp4": scaled_mm_probe(),
+              "kernel": {s: kernels.kernel_name(dev, s) for s in (False, True)}, "latency_ms": {}}
+    ok = True
+    with tempfile.TemporaryDirectory() as tmp:
+        for preset in ("tiny", "qwen08b"):
+            release = build_release(Path(tmp) / preset / "release", preset=preset)
+            dirs = {s: quantize_release(release, Path(tmp) / preset / s, scheme=s) for s in ("nvfp4a16", "nvfp4")}
+            if preset == "tiny":
+                worst = 0.0
+                for scheme, d in dirs.items():
+                    with Clef.load(d, gpu_layers="all", state_cache_mb=0) as gpu, \
+                            Clef.load(d, gpu_layers=0, state_cache_mb=0) as cpu:
+                        for r in SAMPLE_REQUESTS:
+                            for a, b in zip(gpu.probabilities(r), cpu.probabilities(r)):
+                                worst = max(worst, float(np.abs(a - b).max()))
+                report["tiny_gpu_vs_cpu_max_abs_dp"] = worst
+                ok = ok and worst <= 0.05
+            times = {s: latency(d) for s, d in dirs.items()}
+            report["latency_ms"][preset] = {
+                s: {"median": round(statistics.median(t), 2), "min": round(min(t), 2), "max": round(max(t), 2)}
+                for s, t in times.items()}
+    print(json.dumps(report, indent=2))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""The streaming writer of random full-size models (``convert.big``), checked at toy sizes: its
+tensors are the converter's, drawn in row blocks or not, and the 9B plan has the 9B shape."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from clef_gguf.convert import big
+from clef_gguf.convert.tiny import build_tokenizer
+from clef_gguf.errors import ConversionError
+from clef_gguf.lexical import field_value, open_gguf
+
+TINY_SEED = 0  # the seed of conftest's tiny_release
+
+
+def _tensors(path) -> dict:
+    return {t.name: (t.tensor_type, np.asarray(t.data)) for t in open_gguf(path).tensors}
+
+
+def _same_tower(a, b) -> None:
+    ta, tb = _tensors(a), _tensors(b)
+    assert ta.keys() == tb.keys()
+    for name, (kind, data) in ta.items():
+        assert tb[name][0] == kind, name
+        assert np.array_equal(tb[name][1], data), name
+    ra, rb = open_gguf(a), open_gguf(b)
+    keys = {k for k in ra.fields if not k.startswith("GGUF.")} | {k for k in rb.fields if not k.startswith("GGUF.")}
+    differ = [k for k in keys if k not in ra.fields or k not in rb.fields
+              or ra.fields[k].contents() != rb.fields[k].contents()]
+    assert differ == ["general.name"]
+
+
+@pytest.mark.parametrize("chunk", [None, 8192], ids=["whole", "row-blocks"])
+def test_stream_equals_release_then_convert(tiny_release, tiny_model_dir_factory, tmp_path, monkeypatch, chunk):
+    """Same generator, same draw order, same edits: the streamed tower is byte for byte the one
+    build_release + convert_release give, also when the large tensors are drawn in row blocks."""
+    if chunk is not None:
+        monkeypatch.setattr(big, "CHUNK_ELEMENTS", chunk)
+        assert 640 * 64 > chunk  # the tiny embedding and lm_head take the row-block path
+    out = tmp_path / "stream.gguf"
+    summary = big.write_random_tower(out, preset="tiny", outtype="bf16", seed=TINY_SEED,
+                                     tokenizer_json=tiny_release / "tokenizer.json")
+    assert summary["tensors"] == len(open_gguf(out).tensors)
+    _same_tower(tiny_model_dir_factory("bf16") / "tower-bf16.gguf", out)
+
+
+def test_flash9b_plan_has_the_9b_shape():
+    p = big.preset_config("flash9b")
+    text, d, items = big.plan(p, "bf16", build_tokenizer(p["bpe_vocab"]))
+    assert (d.hidden, d.ffn, d.vocab, d.heads, d.kv_heads, d.head_dim) == (4096, 12288, 248320, 16, 4, 256)
+    assert (d.lin_k_heads, d.lin_v_heads, d.lin_k_dim) == (16, 32, 128)
+    assert d.layer_types.count("linear_attention") == 24 and d.layer_types.count("full_attention") == 8
+    tower = [i for i in items if i.gguf_name is not None]
+    values = sum(math.prod(i.shape) for i in tower)
+    assert 8.9e9 < values < 9.1e9
+    # Only the two vocab matrices are drawn in row blocks, and they need no edit.
+    blocks = sorted(i.gguf_name for i in tower if math.prod(i.shape) > big.CHUNK_ELEMENTS)
+    assert blocks == ["output.weight", "token_embd.weight"]
+    assert all(not i.edits for i in tower if i.gguf_name in blocks)
+    assert p["head"] == dict(hidden_size=4096, width=1024, routing_layers=2, layers=4, heads=16,
+                             feedforward=4096)
+    mid, final = big.needed_bytes(p, "Q4_K_M")
+    assert mid == values * 2 and final < mid
+
+
+def test_layers_keeps_the_shapes():
+    p = big.preset_config("flash9b", layers=4)
+    assert p["layers"] == 4 and p["hidden"] == 4096
+    assert big.BIG_PRESETS["flash9b"]["layers"] == 32  # the preset itself is not changed
+    with pytest.raises(ConversionError, match="multiple of 4"):
+        big.preset_config("flash9b", layers=6)
+    with pytest.raises(ConversionError, match="unknown preset"):
+        big.preset_config("huge")
+
+
+def test_refuses_without_the_disk_space(tmp_path, monkeypatch):
+    monkeypatch.setattr(big, "_free_bytes", lambda out: 10 << 30)
+    with pytest.raises(ConversionError, match="GB free"):
+        big.build_random_model(tmp_path / "m", preset="flash9b")
+    assert not (tmp_path / "m").exists()
+
+
+def test_quantized_model_decides_and_leaves_no_intermediate(tmp_path, capsys):
+    from clef_gguf.runtime import Clef
+
+    assert big.main([str(tmp_path / "m"), "--preset", "tiny256", "--outtype", "q4_k_m", "--threads", "1"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    out = tmp_path / "m"
+    assert summary["outtype"] == "Q4_K_M" and summary["quantize_s"] >= 0
+    assert sorted(p.name for p in out.iterdir()) == ["clef-gguf.json", "joint_head.safetensors",
+                                                      "joint_head_config.json", "tokenizer.json",
+                                                      "tower-Q4_K_M.gguf"]
+    assert [p.name for p in tmp_path.iterdir()] == ["m"]  # no staging or intermediate left behind
+    reader = open_gguf(out / "tower-Q4_K_M.gguf")
+    assert field_value(reader, "general.architecture") == "qwen35"
+    assert {t.tensor_type.name for t in reader.tensors} >= {"Q4_K", "F32"}
+    with Clef.load(out, threads=1) as clef:
+        answer = clef.decide({"state": "Invoice 7 is late.", "questions": {"late": {"type": "noul"}}})
+    assert 0.0 <= answer["answers"]["late"]["noul"] <= 1.0
+    assert json.loads((out / "clef-gguf.json").read_text())["source"]["random_weights"] is True
+
+
+def test_refuses_a_large_tensor_that_needs_edits(monkeypatch, tmp_path):
+    """Row blocks are only for plain matrices: a table change that would draw an edited tensor
+    in blocks fails before the file exists."""
+    monkeypatch.setattr(big, "CHUNK_ELEMENTS", 16)
+    with pytest.raises(ConversionError, match="too large to draw at once"):
+        big.write_random_tower(tmp_path / "x.gguf", preset="tiny", outtype="bf16")
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,239 @@
+"""The nvfp4 backend end to end on the tiny release quantized to NVFP4A16 and NVFP4 (W4A4):
+backend choice, the model wiring against transformers on the same (dequantized) weights, the
+decisions against the f32 GGUF path, exact reuse, the CLI, the server and load-time failures."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from clef_gguf import Clef, errors, files
+from clef_gguf.nvfp4 import format as fmt
+from clef_gguf.nvfp4.checkpoint import Checkpoint
+from clef_gguf.tools.parity import SAMPLE_REQUESTS
+
+REQUEST = SAMPLE_REQUESTS[1]
+# On the random tiny256 release (seed 0) against its f32 GGUF conversion, over SAMPLE_REQUESTS:
+# measured max |dp| 0.019 (NVFP4A16) and 0.040 (NVFP4), where the GGUF Q4_K_M gives 0.050 and
+# Q4_0 0.061 on the same model; the bounds leave room for float noise, not for a wrong scale.
+MAX_DP = {"nvfp4a16": 0.03, "nvfp4": 0.06}
+
+
+@pytest.fixture(scope="module", params=["nvfp4a16", "nvfp4"])
+def scheme(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def model_dir(scheme, tiny_nvfp4_dir):
+    return tiny_nvfp4_dir(scheme)
+
+
+@pytest.fixture(scope="module")
+def clef(model_dir):
+    with Clef.load(model_dir, max_length=2048, threads=2) as model:
+        yield model
+
+
+def test_a_checkpoint_directory_selects_the_nvfp4_backend(clef, scheme, model_dir):
+    assert files.from_directory(model_dir).backend == "nvfp4"
+    out = clef.decide(REQUEST)
+    assert list(out["answers"]) == list(REQUEST["questions"])
+    assert out["audit"]["backend"] == "torch-nvfp4"
+    assert out["audit"]["precision"] == {"nvfp4a16": "NVFP4A16", "nvfp4": "NVFP4"}[scheme]
+    assert clef.info["device"] == "cpu" and clef.info["gpu_layers"] == 0
+    assert clef.info["kernel"].startswith("dequantizing fallback")
+    assert clef.info["lexical_rows"] == "BF16"
+
+
+def _dequantized_reference(release, checkpoint: Checkpoint):
+    """transformers' own model of the release with every quantized weight replaced by its
+    dequantized value (and, for W4A4, the activations fake-quantized before each such layer):
+    the numbers our tower must reproduce up to float32 rounding."""
+    import transformers
+
+    ref = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(release, dtype=torch.float32).eval()
+    hooks = []
+    for name in checkpoint.quantized:
+        module = ref.get_submodule(name)
+        w = fmt.dequantize_weight(checkpoint.tensor(f"{name}.weight_packed"),
+                                  checkpoint.tensor(f"{name}.weight_scale"),
+                                  checkpoint.tensor(f"{name}.weight_global_scale"))
+        module.weight.data.copy_(w)
+        if checkpoint.scheme.activations:
+            gi = checkpoint.tensor(f"{name}.input_global_scale")
+            hooks.append(module.register_forward_pre_hook(
+                lambda _m, args, gi=gi: (fmt.fake_quantize_activations(args[0], gi),)))
+    return ref
+
+
+def test_the_tower_is_the_reference_model_on_the_dequantized_weights(clef, model_dir, tiny_release):
+    checkpoint = Checkpoint(model_dir / files.CHECKPOINT_CONFIG)
+    ref = _dequantized_reference(tiny_release, checkpoint)
+    enc = clef.prepare(REQUEST).encoded
+    ours = clef.tower.hidden_states(enc.ids)
+    with torch.no_grad():
+        theirs = ref.model.language_model(input_ids=torch.as_tensor(enc.ids, dtype=torch.long)[None],
+                                          use_cache=False).last_hidden_state[0].numpy()
+    assert ours.shape == theirs.shape
+    assert float(np.abs(ours - theirs).max()) < 2e-4 * max(1.0, float(np.abs(theirs).max()))
+
+
+@pytest.fixture(scope="module")
+def tiny256(tmp_path_factory):
+    from clef_gguf.convert.release import convert_release
+    from clef_gguf.convert.tiny import build_release
+
+    root = tmp_path_factory.mktemp("tiny256")
+    release = build_release(root / "release", preset="tiny256", seed=0)
+    return release, convert_release(release, root / "f32", outtype="f32")
+
+
+def test_decisions_stay_near_the_f32_gguf_path(tiny256, scheme, tmp_path):
+    from clef_gguf.convert.nvfp4 import quantize_release
+
+    release, f32 = tiny256
+    quantized = quantize_release(release, tmp_path / scheme, scheme=scheme)
+    worst = 0.0
+    with Clef.load(quantized, threads=2, state_cache_mb=0) as ours, \
+            Clef.load(f32, threads=2, state_cache_mb=0) as ref:
+        for request in SAMPLE_REQUESTS:
+            for a, b in zip(ours.probabilities(request), ref.probabilities(request)):
+                worst = max(worst, float(np.abs(a - b).max()))
+    assert 0.001 < worst < MAX_DP[scheme]  # > 0.001: the quantization really ran
+
+
+def test_segments_and_cache_reuse_give_the_same_bytes(model_dir, scheme):
+    other = {**REQUEST, "questions": {"bug": {"type": "noul"}}}
+    with Clef.load(model_dir, max_length=2048, threads=2, state_cache_mb=0) as plain, \
+            Clef.load(model_dir, max_length=2048, threads=2) as cached:
+        expected = [plain.decide(REQUEST), plain.decide(other)]
+        got = [cached.decide(REQUEST), cached.decide(other), cached.decide(REQUEST)]
+        strip = lambda r: {**r, "usage": {k: v for k, v in r["usage"].items() if k != "cached_tokens"}}  # noqa: E731
+        assert [json.dumps(strip(r)) for r in got] == [json.dumps(strip(r)) for r in expected + expected[:1]]
+        usage = [r["usage"]["cached_tokens"] for r in got]
+        assert usage[0] == 0 and usage[1] > 36 and usage[2] == got[2]["usage"]["input_tokens"]
+        # The segmented schedule itself agrees with one whole decode to float rounding.
+        enc = cached.prepare(REQUEST).encoded
+        whole = cached.tower.hidden_states(enc.ids)
+        seg, _ = plain.tower.forward(enc.ids, enc.prefix_tokens, enc.state_tokens)
+        assert float(np.abs(whole - seg).max()) < 1e-4
+
+
+def test_backend_flag_must_match_the_files(model_dir, tiny_model_dir):
+    with pytest.raises(errors.InvalidValue) as info:
+        Clef.load(model_dir, backend="gguf")
+    assert info.value.field == "backend" and "NVFP4" in info.value.message
+    with pytest.raises(errors.InvalidValue) as info:
+        Clef.load(tiny_model_dir, backend="nvfp4")
+    assert info.value.field == "backend" and "GGUF" in info.value.message
+    with pytest.raises(errors.InvalidValue) as info:
+        Clef.load(model_dir, backend="fp8")
+    assert info.value.field == "backend"
+    with pytest.raises(errors.InvalidValue) as info:
+        Clef.load(model_dir, gpu_layers=3)
+    assert info.value.field == "gpu_layers"
+
+
+def _copy(model_dir, tmp_path):
+    out = tmp_path / "copy"
+    shutil.copytree(model_dir, out)
+    return out
+
+
+def test_damaged_checkpoints_are_clear_errors(model_dir, tmp_path):
+    bad = _copy(model_dir, tmp_path)
+    config = json.loads((bad / "config.json").read_text())
+    config["quantization_config"]["format"] = "float-quantized"
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(errors.CorruptModel) as info:
+        Clef.load(bad)
+    assert info.value.field == "tower" and "nvfp4-pack-quantized" in info.value.message
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "config_groups": 7}
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(errors.CorruptModel):
+        Clef.load(bad)
+    shutil.rmtree(bad)
+    bad = _copy(model_dir, tmp_path)
+    for shard in bad.glob("model*.safetensors"):
+        shard.write_bytes(b"\x00" * 16)
+    with pytest.raises(errors.CorruptModel):
+        Clef.load(bad)
+
+
+def test_a_missing_library_is_named(model_dir, monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_compressed_tensors(name, *args, **kwargs):
+        if name.startswith("compressed_tensors"):
+            raise ImportError(name)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_compressed_tensors)
+    with pytest.raises(errors.MissingDependency) as info:
+        Clef.load(model_dir)
+    assert "clef-gguf[nvfp4]" in info.value.message
+
+
+def test_convert_then_decide_from_the_command_line(tiny_release, tmp_path, scheme):
+    out = tmp_path / scheme
+    run = subprocess.run([sys.executable, "-m", "clef_gguf.cli", "convert", str(tiny_release), str(out),
+                          "--outtype", scheme], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["backend"] == "nvfp4"
+    (tmp_path / "req.json").write_text(json.dumps(REQUEST))
+    run = subprocess.run([sys.executable, "-m", "clef_gguf.cli", "decide", "--request", str(tmp_path / "req.json"),
+                          "--model", str(out), "--backend", "nvfp4", "--threads", "2"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["audit"]["backend"] == "torch-nvfp4"
+    assert run.stderr.count("slow") == 1  # one warning line: this machine has no CUDA
+    wrong = subprocess.run([sys.executable, "-m", "clef_gguf.cli", "decide", "--request", str(tmp_path / "req.json"),
+                            "--model", str(out), "--backend", "gguf"], capture_output=True, text=True,
+                           timeout=600)
+    assert wrong.returncode != 0 and '"field": "backend"' in wrong.stdout + wrong.stderr
+    assert "Traceback" not in wrong.stderr
+
+
+def test_convert_refuses_llama_cpp_options_for_nvfp4(tiny_release, tmp_path):
+    run = subprocess.run([sys.executable, "-m", "clef_gguf.cli", "convert", str(tiny_release),
+                          str(tmp_path / "x"), "--outtype", "nvfp4", "--imatrix", "uniform"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode != 0 and "--imatrix" in run.stdout + run.stderr
+    assert not (tmp_path / "x").exists()
+
+
+def test_the_server_answers_with_the_nvfp4_backend(model_dir, clef, tmp_path):
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "server"))
+    from server_helpers import serve_process, wait_healthy
+
+    with serve_process(tmp_path, "--model", str(model_dir), "--backend", "nvfp4", "--threads", "2",
+                       "--max-length", "2048") as (proc, url, _port):
+        wait_healthy(proc, url)
+        got = httpx.post(f"{url}/v1/systemone", json=REQUEST, timeout=60)
+        assert got.status_code == 200
+        body = got.json()
+        expected = clef.decide(REQUEST)
+        assert body["answers"] == expected["answers"]
+        assert body["audit"]["backend"] == "torch-nvfp4"
+        assert httpx.post(f"{url}/v1/systemone", json={"state": "x"}, timeout=60).status_code == 422
+
+
+def test_backend_flag_overrides_a_directory_holding_both(model_dir, tiny_model_dir, tmp_path):
+    both = _copy(model_dir, tmp_path)
+    for name in ("tower-f32.gguf", files.MANIFEST):  # the GGUF conversion of the same release
+        shutil.copyfile(tiny_model_dir / name, both / name)
+    with Clef.load(both, threads=2) as auto:
+        assert auto.info["backend"] == "torch-nvfp4"
+    with Clef.load(both, threads=2, backend="gguf") as gguf:
+        assert gguf.info["backend"] == "llama-cpp-python"
+        assert gguf.decide(REQUEST)["answers"]
