@@ -95,3 +95,80 @@ class StateCache:
         with self._lock:
             self._entries.clear()
             self._bytes = 0
+
+
+class SegmentedForward:
+    """The canonical decode schedule and its reuse, shared by the towers of both backends.
+
+    A prompt ``[prefix][state][rest]`` is decoded segment by segment on one sequence. The prefix
+    is decoded once and kept; with a cache, a known ``[prefix][state]`` is restored and a known
+    prompt is not decoded at all. A tower supplies the sequence operations: ``_begin()`` (a fresh
+    sequence), ``_resume(kept)``, ``_append(seq, ids, start) -> hidden``, ``_kept_bytes(seq)`` and
+    ``_keep(seq, size) -> kept`` (a restorable copy), plus ``_lock``, ``closed``, ``n_ctx``,
+    ``n_vocab`` and ``n_embd``."""
+
+    _prefix: tuple[bytes, Snapshot] | None = None
+    vocab_name = "vocab"  # what the token ids index, for the error
+
+    def _checked(self, ids: np.ndarray) -> np.ndarray:
+        import numpy as np
+
+        from clef_gguf.errors import InferenceError
+
+        ids = np.ascontiguousarray(ids, dtype=np.int32)
+        n = int(ids.shape[0])
+        if n == 0 or n > self.n_ctx:
+            raise InferenceError(f"a prompt of {n} tokens does not fit the context of {self.n_ctx}")
+        bad = ids[(ids < 0) | (ids >= self.n_vocab)]
+        if bad.size:  # llama.cpp would reject these, and some vocab calls abort the process on them
+            raise InferenceError(f"token id {int(bad[0])} is outside the {self.vocab_name} "
+                                 f"of {self.n_vocab}")
+        if self.closed:
+            raise InferenceError("the tower is closed")
+        return ids
+
+    def forward(self, ids: np.ndarray, prefix: int, state: int,
+                cache: StateCache | None = None) -> tuple[np.ndarray, int]:
+        """``(hidden [T, n_embd], cached_tokens)`` of a prompt ``[prefix][state][rest]``, the
+        segments given as token counts."""
+        import numpy as np
+
+        cache = cache if cache is not None and cache.max_bytes > 0 else None
+        ids = np.ascontiguousarray(ids, dtype=np.int32)
+        prompt_key = cache.key("prompt", ids) if cache is not None else None
+        if cache is not None and (hit := cache.get(prompt_key)) is not None:
+            return hit.hidden.copy(), hit.n_tokens
+        with self._lock:
+            ids = self._checked(ids)
+            hidden, cached = self._forward_locked(ids, prefix, state, cache)
+        if cache is not None:
+            cache.put(prompt_key, Snapshot(len(ids), None, hidden.copy()))
+        return hidden, cached
+
+    def _forward_locked(self, ids: np.ndarray, prefix: int, state: int,
+                        cache: StateCache | None) -> tuple[np.ndarray, int]:
+        import numpy as np
+
+        head = prefix + state
+        state_key = cache.key("state", ids[:head]) if cache is not None and state else None
+        known = cache.get(state_key) if state_key else None
+        if known is not None:
+            seq = self._resume(known.seq_state)
+            parts, cached = [known.hidden], head
+        else:
+            key = ids[:prefix].tobytes()
+            if self._prefix is not None and self._prefix[0] == key:
+                seq = self._resume(self._prefix[1].seq_state)
+                parts, cached = [self._prefix[1].hidden], prefix
+            else:
+                seq = self._begin()
+                parts, cached = [self._append(seq, ids[:prefix], 0)], 0
+                self._prefix = (key, Snapshot(prefix, self._keep(seq, self._kept_bytes(seq)), parts[0]))
+            if state:
+                parts.append(self._append(seq, ids[prefix:head], prefix))
+                size = self._kept_bytes(seq)
+                if state_key and size + head * self.n_embd * 4 <= cache.max_bytes:
+                    cache.put(state_key, Snapshot(head, self._keep(seq, size), np.concatenate(parts)))
+        if head < len(ids):
+            parts.append(self._append(seq, ids[head:], head))
+        return np.concatenate(parts), cached

@@ -22,7 +22,7 @@ import numpy as np
 
 from clef_gguf.cpus import available_cpus
 from clef_gguf.errors import ClefError, CorruptModel, InferenceError, InvalidValue, ModelNotFound
-from clef_gguf.statecache import Snapshot, StateCache
+from clef_gguf.statecache import SegmentedForward, Snapshot, StateCache
 
 log = logging.getLogger("clef_gguf.llama")
 
@@ -345,7 +345,7 @@ class _Batch:
             self.size = 0
 
 
-class Tower:
+class Tower(SegmentedForward):
     """``hidden_states(ids) -> float32 [T, n_embd]`` for one prompt at a time (thread-safe);
     ``forward_many`` decodes several prompts per llama_decode where :data:`PACKING` says it pays."""
 
@@ -405,18 +405,11 @@ class Tower:
     def uses_nextn(self) -> bool:
         return self._ctx.nextn
 
-    def _checked(self, ids: np.ndarray) -> np.ndarray:
-        ids = np.ascontiguousarray(ids, dtype=np.int32)
-        n = int(ids.shape[0])
-        if n == 0 or n > self.n_ctx:
-            raise InferenceError(f"a prompt of {n} tokens does not fit the context of {self.n_ctx}")
-        bad = ids[(ids < 0) | (ids >= self.n_vocab)]
-        if bad.size:  # llama.cpp would reject these, and some vocab calls abort the process on them
-            raise InferenceError(f"token id {int(bad[0])} is outside the GGUF vocab "
-                                 f"of {self.n_vocab}")
-        if self._ctx.ptr is None:
-            raise InferenceError("the tower is closed")
-        return ids
+    vocab_name = "GGUF vocab"
+
+    @property
+    def closed(self) -> bool:
+        return self._ctx.ptr is None
 
     def _clear(self) -> None:
         ll.llama_memory_clear(ll.llama_get_memory(self._ctx.ptr), True)
@@ -466,48 +459,22 @@ class Tower:
             self._clear()
             return self._decode(ids)
 
-    def forward(self, ids: np.ndarray, prefix: int, state: int,
-                cache: StateCache | None = None) -> tuple[np.ndarray, int]:
-        """``(hidden [T, n_embd], cached_tokens)`` of a prompt ``[prefix][state][rest]``, the
-        segments given as token counts. The prefix is decoded once and restored after; with a
-        ``cache``, a known ``[prefix][state]`` is restored and a known prompt is not decoded."""
-        cache = cache if cache is not None and cache.max_bytes > 0 else None
-        ids = np.ascontiguousarray(ids, dtype=np.int32)
-        prompt_key = cache.key("prompt", ids) if cache is not None else None
-        if cache is not None and (hit := cache.get(prompt_key)) is not None:
-            return hit.hidden.copy(), hit.n_tokens
-        with self._lock:
-            ids = self._checked(ids)
-            hidden, cached = self._forward_locked(ids, prefix, state, cache)
-        if cache is not None:
-            cache.put(prompt_key, Snapshot(len(ids), None, hidden.copy()))
-        return hidden, cached
+    # The sequence operations of the shared schedule (statecache.SegmentedForward): one
+    # sequence, held by the context itself.
+    def _begin(self) -> None:
+        self._clear()
 
-    def _forward_locked(self, ids: np.ndarray, prefix: int, state: int,
-                        cache: StateCache | None) -> tuple[np.ndarray, int]:
-        head = prefix + state
-        state_key = cache.key("state", ids[:head]) if cache is not None and state else None
-        known = cache.get(state_key) if state_key else None
-        if known is not None:
-            self._restore(known.seq_state)
-            parts, cached = [known.hidden], head
-        else:
-            key = ids[:prefix].tobytes()
-            if self._prefix is not None and self._prefix[0] == key:
-                self._restore(self._prefix[1].seq_state)
-                parts, cached = [self._prefix[1].hidden], prefix
-            else:
-                self._clear()
-                parts, cached = [self._decode(ids[:prefix])], 0
-                self._prefix = (key, Snapshot(prefix, self._save(), parts[0]))
-            if state:
-                parts.append(self._decode(ids[prefix:head]))
-                size = self._state_size()
-                if state_key and size + head * self.n_embd * 4 <= cache.max_bytes:
-                    cache.put(state_key, Snapshot(head, self._save(size), np.concatenate(parts)))
-        if head < len(ids):
-            parts.append(self._decode(ids[head:]))
-        return np.concatenate(parts), cached
+    def _resume(self, kept: np.ndarray) -> None:
+        self._restore(kept)
+
+    def _append(self, _seq: None, ids: np.ndarray, _start: int) -> np.ndarray:
+        return self._decode(ids)
+
+    def _kept_bytes(self, _seq: None) -> int:
+        return self._state_size()
+
+    def _keep(self, _seq: None, size: int) -> np.ndarray:
+        return self._save(size)
 
     # ------------------------------------------------------------ several prompts per decode
     @property

@@ -16,11 +16,11 @@ import numpy as np
 import torch
 
 from clef_gguf.cpus import available_cpus
-from clef_gguf.errors import InferenceError, InvalidValue
+from clef_gguf.errors import InvalidValue
 from clef_gguf.nvfp4.checkpoint import Checkpoint
 from clef_gguf.nvfp4.kernels import kernel_name
 from clef_gguf.nvfp4.model import TextModel
-from clef_gguf.statecache import Snapshot, StateCache
+from clef_gguf.statecache import SegmentedForward, Snapshot
 
 log = logging.getLogger("clef_gguf.nvfp4")
 # Compute dtype per device: fp32 on the CPU (the reference's numerics; bf16 matmuls are slow
@@ -49,7 +49,7 @@ def pick_device(gpu_layers: int | str) -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-class NVFP4Tower:
+class NVFP4Tower(SegmentedForward):
     def __init__(self, checkpoint: Checkpoint, model: TextModel, n_ctx: int, threads: int):
         self.checkpoint, self.model = checkpoint, model
         self.path = checkpoint.directory
@@ -103,71 +103,33 @@ class NVFP4Tower:
     def device(self) -> str:
         return str(self.model.device)
 
-    def _checked(self, ids: np.ndarray) -> np.ndarray:
-        ids = np.ascontiguousarray(ids, dtype=np.int32)
-        n = int(ids.shape[0])
-        if n == 0 or n > self.n_ctx:
-            raise InferenceError(f"a prompt of {n} tokens does not fit the context of {self.n_ctx}")
-        bad = ids[(ids < 0) | (ids >= self.n_vocab)]
-        if bad.size:
-            raise InferenceError(f"token id {int(bad[0])} is outside the vocab of {self.n_vocab}")
-        if self.closed:
-            raise InferenceError("the tower is closed")
-        return ids
-
     def _decode(self, ids: np.ndarray, cache, past: int) -> np.ndarray:
         if len(ids) == 0:
             return np.empty((0, self.n_embd), dtype=np.float32)
         hidden = self.model.hidden(torch.from_numpy(ids.astype(np.int64)), cache, past)
         return hidden.float().cpu().numpy()
 
-    def _snapshot(self, cache, n: int, hidden: np.ndarray) -> Snapshot:
-        kept = self.model.copy_cache(cache)
-        return Snapshot(n, _CacheCopy(kept, self.model.cache_bytes(kept)), hidden)
-
     def hidden_states(self, ids: np.ndarray) -> np.ndarray:
         """Hidden states of one prompt decoded from scratch, as one segment (no reuse)."""
         with self._lock:
             return self._decode(self._checked(ids), None, 0)
 
-    def forward(self, ids: np.ndarray, prefix: int, state: int,
-                cache: StateCache | None = None) -> tuple[np.ndarray, int]:
-        cache = cache if cache is not None and cache.max_bytes > 0 else None
-        ids = np.ascontiguousarray(ids, dtype=np.int32)
-        prompt_key = cache.key("prompt", ids) if cache is not None else None
-        if cache is not None and (hit := cache.get(prompt_key)) is not None:
-            return hit.hidden.copy(), hit.n_tokens
-        with self._lock:
-            ids = self._checked(ids)
-            hidden, cached = self._forward_locked(ids, prefix, state, cache)
-        if cache is not None:
-            cache.put(prompt_key, Snapshot(len(ids), None, hidden.copy()))
-        return hidden, cached
+    # The sequence operations of the shared schedule (statecache.SegmentedForward): a sequence
+    # is a transformers cache, kept as a deep copy.
+    def _begin(self):
+        return self.model.new_cache()
 
-    def _forward_locked(self, ids: np.ndarray, prefix: int, state: int,
-                        cache: StateCache | None) -> tuple[np.ndarray, int]:
-        head = prefix + state
-        state_key = cache.key("state", ids[:head]) if cache is not None and state else None
-        known = cache.get(state_key) if state_key else None
-        if known is not None:
-            seq = self.model.copy_cache(known.seq_state.cache)
-            parts, cached = [known.hidden], head
-        else:
-            key = ids[:prefix].tobytes()
-            if self._prefix is not None and self._prefix[0] == key:
-                seq = self.model.copy_cache(self._prefix[1].seq_state.cache)
-                parts, cached = [self._prefix[1].hidden], prefix
-            else:
-                seq = self.model.new_cache()
-                parts, cached = [self._decode(ids[:prefix], seq, 0)], 0
-                self._prefix = (key, self._snapshot(seq, prefix, parts[0]))
-            if state:
-                parts.append(self._decode(ids[prefix:head], seq, prefix))
-                if state_key:
-                    cache.put(state_key, self._snapshot(seq, head, np.concatenate(parts)))
-        if head < len(ids):
-            parts.append(self._decode(ids[head:], seq, head))
-        return np.concatenate(parts), cached
+    def _resume(self, kept: _CacheCopy):
+        return self.model.copy_cache(kept.cache)
+
+    def _append(self, seq, ids: np.ndarray, start: int) -> np.ndarray:
+        return self._decode(ids, seq, start)
+
+    def _kept_bytes(self, seq) -> int:
+        return self.model.cache_bytes(seq)
+
+    def _keep(self, seq, size: int) -> _CacheCopy:
+        return _CacheCopy(self.model.copy_cache(seq), size)
 
     def close(self) -> None:
         with self._lock:  # the weights go with the last reference; later calls get a clear error
