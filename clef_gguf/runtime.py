@@ -30,14 +30,6 @@ PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
-class _Forward:
-    logits: np.ndarray  # flat fp32, every option of every question
-    option_ids: np.ndarray  # token ids of the option spans (the lexical rows)
-    cached_tokens: int  # prompt tokens restored instead of decoded
-    marks: tuple[float, ...]  # perf_counter between stages: tower, lexical, head
-
-
-@dataclass(frozen=True)
 class Prepared:
     request: Request
     encoded: Encoded
@@ -168,35 +160,20 @@ class Clef:
         encoded = self.encoder.encode(parsed)
         return Prepared(parsed, encoded, (time.perf_counter() - t0) * 1e3)
 
-    def _forward(self, enc: Encoded) -> _Forward:
+    def _tower(self, enc: Encoded) -> tuple[np.ndarray, int, float]:
+        """(hidden states, cached tokens, tower ms) of one prompt."""
         t0 = time.perf_counter()
         hidden, cached = self.tower.forward(enc.ids, enc.prefix_tokens, enc.state_tokens,
                                             self.state_cache)
-        t1 = time.perf_counter()
-        option_ids = enc.option_token_ids()
-        rows = self.lexical.rows(option_ids)
-        t2 = time.perf_counter()
-        with torch.inference_mode():
-            logits = self.head(torch.from_numpy(hidden), torch.from_numpy(rows).to(self.head_dtype),
-                               list(enc.question_spans), list(enc.option_spans),
-                               list(enc.option_counts), list(enc.types))
-        return _Forward(logits.float().numpy(), option_ids, cached,
-                        (t0, t1, t2, time.perf_counter()))
+        return hidden, cached, (time.perf_counter() - t0) * 1e3
+
+    def logits(self, enc: Encoded) -> np.ndarray:
+        """Flat fp32 head logits of a prepared prompt, every option of every question."""
+        hidden, _, _ = self._tower(enc)
+        return self._head_logits(enc, hidden)[0]
 
     def run(self, prepared: Prepared) -> tuple[dict, dict[str, float]]:
-        enc = prepared.encoded
-        out = self._forward(enc)
-        t0, t1, t2, t3 = out.marks
-        probs = answer.split_probabilities(out.logits, enc.option_counts)
-        response = answer.envelope(prepared.request, probs, enc.n_tokens, self.provenance,
-                                   truncated=enc.truncated, option_token_ids=out.option_ids,
-                                   cached_tokens=out.cached_tokens)
-        t4 = time.perf_counter()
-        ms = lambda a, b: round((b - a) * 1e3, 3)  # noqa: E731
-        timings = {"encode": round(prepared.encode_ms, 3), "tower": ms(t0, t1),
-                   "lexical": ms(t1, t2), "head": ms(t2, t3), "answer": ms(t3, t4),
-                   "total": round(prepared.encode_ms + (t4 - t0) * 1e3, 3), "tokens": enc.n_tokens}
-        return response, timings
+        return self._answer(prepared, *self._tower(prepared.encoded))
 
     def decide(self, request: Any, *, truncate_state: bool = False,
                strict: bool | None = None) -> dict:
@@ -311,7 +288,7 @@ class Clef:
     def probabilities(self, request: Any, *, truncate_state: bool = False) -> list[np.ndarray]:
         """Unrounded fp32 probabilities per question, in prompt option order (parity checks)."""
         enc = self.prepare(request, truncate_state=truncate_state).encoded
-        return answer.split_probabilities(self._forward(enc).logits, enc.option_counts)
+        return answer.split_probabilities(self.logits(enc), enc.option_counts)
 
     def close(self) -> None:
         self.tower.close()

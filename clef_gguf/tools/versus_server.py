@@ -128,7 +128,7 @@ def our_probabilities(clef, request: dict) -> tuple[dict[str, dict[str, float]],
     saved, clef.state_cache = clef.state_cache, StateCache(0)
     try:
         prepared = clef.prepare(request)
-        logits = clef._forward(prepared.encoded).logits
+        logits = clef.logits(prepared.encoded)
     finally:
         clef.state_cache = saved
     probs = answer.split_probabilities(logits, prepared.encoded.option_counts)
