@@ -90,10 +90,11 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
 
 
 def write_manifest(directory: Path, name: str, outtype: str, roles: dict[str, str],
-                   extra: dict | None = None) -> Path:
-    """Hash every file named in ``roles`` (role -> file name in ``directory``) and write the manifest."""
+                   extra: dict | None = None, also: tuple[str, ...] = ()) -> Path:
+    """Hash every file named in ``roles`` (role -> file name in ``directory``) and in ``also``
+    (files the tower reads besides its role file: a checkpoint's shards), and write the manifest."""
     files = {}
-    for file_name in roles.values():
+    for file_name in [*roles.values(), *also]:
         path = directory / file_name
         files[file_name] = {"sha256": sha256_file(path), "size": path.stat().st_size}
     manifest = {"format": MANIFEST_FORMAT, "name": name, "outtype": outtype, **roles,
@@ -158,6 +159,16 @@ def is_compressed_tensors(directory: Path) -> bool:
     return isinstance(quant, dict) and quant.get("quant_method") == "compressed-tensors"
 
 
+def _remember_manifest(files: ModelFiles, directory: Path, manifest: dict) -> None:
+    """Trust the manifest's hashes for files unchanged since it was written (it is written after
+    its files were hashed: a file changed later is newer)."""
+    written_ns = (directory / MANIFEST).stat().st_mtime_ns
+    for name, entry in manifest.get("files", {}).items():
+        if isinstance(entry, dict) and isinstance(entry.get("sha256"), str) \
+                and isinstance(entry.get("size"), int):
+            files.remember(directory / name, entry["sha256"], entry["size"], written_ns)
+
+
 def from_directory(directory: Path, backend: str | None = None) -> ModelFiles:
     """Files of a converted model directory; a compressed-tensors checkpoint (the nvfp4 backend);
     without a manifest, the one ``*.gguf`` in it. ``backend="gguf"`` looks for the GGUF even in a
@@ -174,16 +185,12 @@ def from_directory(directory: Path, backend: str | None = None) -> ModelFiles:
         if manifest is not None:  # written by `clef-gguf convert --outtype nvfp4*`
             files.name = str(manifest.get("name", directory.name))
             files.revision = manifest.get("revision")
+            _remember_manifest(files, directory, manifest)
     elif manifest is not None and not (checkpoint and not manifest["tower"].endswith(".gguf")):
         files = ModelFiles(**{role: directory / manifest[role] for role in ROLES},
                            name=str(manifest.get("name", directory.name)),
                            revision=manifest.get("revision"))
-        # The manifest is written after its files were hashed: a file changed later is newer.
-        written_ns = (directory / MANIFEST).stat().st_mtime_ns
-        for name, entry in manifest.get("files", {}).items():
-            if isinstance(entry, dict) and isinstance(entry.get("sha256"), str) \
-                    and isinstance(entry.get("size"), int):
-                files.remember(directory / name, entry["sha256"], entry["size"], written_ns)
+        _remember_manifest(files, directory, manifest)
     else:
         ggufs = sorted(directory.glob("*.gguf"))
         if len(ggufs) != 1:

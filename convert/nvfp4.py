@@ -319,8 +319,10 @@ def quantize_release(src, out, *, scheme: str, name: str | None = None, calibrat
             source = {"path": str(src.resolve()), "scheme": scheme, "quantized_modules": len(targets),
                       "kept_tensors": len(found) - len(targets), "shards": shards, "calibration": calibrated,
                       "random_weights": (src / "RANDOM_WEIGHTS.json").is_file()}
+            # The shards are hashed here, once: loading then trusts these hashes for the audit.
+            shard_names = tuple(sorted(p.name for p in stage.glob("model*.safetensors")))
             files.write_manifest(stage, name, scheme,
                                  {"tower": files.CHECKPOINT_CONFIG, "head_weights": files.HEAD_WEIGHTS,
                                   "head_config": files.HEAD_CONFIG, "tokenizer": files.TOKENIZER},
-                                 extra={"source": source})
+                                 extra={"source": source}, also=shard_names)
     return out

@@ -237,3 +237,10 @@ def test_backend_flag_overrides_a_directory_holding_both(model_dir, tiny_model_d
     with Clef.load(both, threads=2, backend="gguf") as gguf:
         assert gguf.info["backend"] == "llama-cpp-python"
         assert gguf.decide(REQUEST)["answers"]
+
+
+def test_a_converted_checkpoint_is_not_hashed_again_at_load(model_dir):
+    found = files.from_directory(model_dir)
+    shards = sorted(model_dir.glob("model*.safetensors"))
+    assert shards and all(found.known_sha256(s) == files.sha256_file(s) for s in shards)
+    assert found.known_sha256(model_dir / files.CHECKPOINT_CONFIG) is not None
