@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -49,17 +50,22 @@ class Provenance:
     model_name: str
     model_hash: str
     backend: str
-    precision: str
+    precision: str  # the tower's weight format (q4_k_m, f32, nvfp4...): the audit's name for it
     template_sha256: str
     calibration_version: str = "none"
 
 
-def split_probabilities(logits: np.ndarray, counts: tuple[int, ...]) -> list[np.ndarray]:
+def split_probabilities(logits: np.ndarray, counts: tuple[int, ...],
+                        temperatures: tuple[float, ...] | None = None) -> list[np.ndarray]:
+    """One fp32 softmax per question; ``temperatures`` (a calibration's, one per question)
+    divide each question's logits first. None, and any T of exactly 1, leave them as they are."""
     logits = np.asarray(logits, dtype=np.float32)
     if not np.all(np.isfinite(logits)):
         raise errors.InferenceError("the head produced non-finite logits")
     bounds = np.cumsum((0,) + tuple(counts))
-    return [softmax32(logits[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+    temps = temperatures if temperatures is not None else (1.0,) * len(counts)
+    return [softmax32(logits[a:b] if t == 1.0 else logits[a:b] / np.float32(t))
+            for a, b, t in zip(bounds[:-1], bounds[1:], temps)]
 
 
 def allowed_token_hash(option_token_ids: np.ndarray) -> str:
@@ -69,7 +75,7 @@ def allowed_token_hash(option_token_ids: np.ndarray) -> str:
 def envelope(request: Request, probs: list[np.ndarray], n_tokens: int, provenance: Provenance,
              *, truncated: bool, option_token_ids: np.ndarray, cached_tokens: int = 0) -> dict:
     answers = {q.id: answer(q, p) for q, p in zip(request.questions, probs)}
-    response = {
+    response: dict[str, Any] = {
         "model": request.model if request.model is not None else provenance.model_name,
         "answers": answers,
         # cached_tokens: prompt tokens restored from the state cache instead of decoded

@@ -30,6 +30,17 @@ def megabytes(text: str) -> float:
     return value
 
 
+def seconds(text: str) -> float:
+    """A duration in seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 <= value < float("inf"):  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be >= 0 seconds (got {text})")
+    return value
+
+
 def gpu_layers(text: str) -> int | str:
     """``auto`` (the device policy), ``all``, or a layer count >= 0."""
     if text in ("auto", "all"):

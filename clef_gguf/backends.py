@@ -10,9 +10,13 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from clef_gguf import errors, files as model_files
+
+if TYPE_CHECKING:
+    from clef_gguf.lexical import RowStore
+    from clef_gguf.towers import LanguageTower
 
 BACKENDS = model_files.BACKENDS
 TOWER_ARCH = "qwen35"
@@ -24,16 +28,16 @@ def choose(asked: str | None, found: model_files.ModelFiles) -> str:
     if asked in (None, "auto"):
         return found.backend
     if asked not in BACKENDS:
-        raise errors.InvalidValue(f"backend must be one of auto, {', '.join(BACKENDS)} (got {asked!r})",
+        raise errors.InvalidSetting(f"backend must be one of auto, {', '.join(BACKENDS)} (got {asked!r})",
                                   field="backend")
     if asked != found.backend:
         what = {"gguf": "a GGUF tower", "nvfp4": "a compressed-tensors NVFP4 checkpoint"}
-        raise errors.InvalidValue(f"--backend {asked} needs {what[asked]}, but {found.tower} is "
+        raise errors.InvalidSetting(f"--backend {asked} needs {what[asked]}, but {found.tower} is "
                                   f"{what[found.backend]}", field="backend")
     return asked
 
 
-def gpu_layers(asked: int | str | None, tower: Path, n_embd: int, context: int) -> int:
+def gpu_layers(asked: int | str | None, tower: Path, n_embd: int, context: int) -> int | str:
     """``"all"`` -> -1, a count as given, ``"auto"``: the device policy's placement (all layers when
     this build can offload and the model fits the GPU, else 0), as ``clef-gguf pick`` reports."""
     if asked == "all":
@@ -44,13 +48,13 @@ def gpu_layers(asked: int | str | None, tower: Path, n_embd: int, context: int) 
 
     if not gpu_offload():  # a CPU-only build: nothing to decide, and no probe to run
         return 0
-    from clef_gguf.models import device
+    from clef_gguf.models import machine, placement
     from clef_gguf.models.catalog import load_catalog
 
     catalog = load_catalog()
     family = next((f for f in catalog.families.values() if f.architecture.hidden_size == n_embd),
                   catalog.family("clef-flash"))  # an unknown model: Clef-Flash's memory model
-    return device.gpu_layers(device.probe(), tower.stat().st_size, family, context_tokens=context)
+    return placement.gpu_layers(machine.probe(), tower.stat().st_size, family, context_tokens=context)
 
 
 @dataclass
@@ -59,9 +63,9 @@ class Opened:
 
     backend: str
     label: str  # what the vocab is called in errors: "GGUF" or "checkpoint"
-    lexical: Any
+    lexical: RowStore
     quant: str
-    load_tower: Callable[[int, int | None, int | str], Any]  # (max_length, threads, gpu_layers)
+    load_tower: Callable[[int, int | None, int | str], LanguageTower]  # (max_length, threads, gpu_layers)
     model_hash: Callable[[], str]
 
     @property
@@ -70,8 +74,8 @@ class Opened:
 
 
 def open_gguf_tower(found: model_files.ModelFiles) -> Opened:
-    from clef_gguf.lexical import LexicalRows, field_value, file_type_name, open_gguf
-    from clef_gguf.tower import Tower, check_header
+    from clef_gguf.lexical import LexicalRows, check_header, field_value, file_type_name, open_gguf
+    from clef_gguf.tower import Tower
 
     # gguf-py validates the whole file table first: llama.cpp aborts on some corrupt files.
     reader = open_gguf(found.tower)
@@ -84,7 +88,7 @@ def open_gguf_tower(found: model_files.ModelFiles) -> Opened:
     check_header(reader, found.tower)  # llama.cpp aborts on some bad hyperparameters
     lexical = LexicalRows(reader)
 
-    def load(max_length: int, threads: int | None, asked: int | str):
+    def load(max_length: int, threads: int | None, asked: int | str) -> LanguageTower:
         layers = gpu_layers(asked, found.tower, lexical.hidden_size, max_length)
         return Tower.load(found.tower, n_ctx=max_length, threads=threads, gpu_layers=layers)
 
@@ -99,7 +103,7 @@ def open_nvfp4_tower(found: model_files.ModelFiles) -> Opened:
     checkpoint = Checkpoint(found.tower)
     lexical = CheckpointRows(checkpoint)
 
-    def load(max_length: int, threads: int | None, asked: int | str):
+    def load(max_length: int, threads: int | None, asked: int | str) -> LanguageTower:
         from clef_gguf.nvfp4.tower import NVFP4Tower
 
         return NVFP4Tower.load(found.tower, n_ctx=max_length, threads=threads, gpu_layers=asked)

@@ -34,11 +34,13 @@ COMMANDS = {
               "local or Ray engine)"),
     "serve": ("clef_gguf.server.app", "add_arguments", "run",
               "serve POST /v1/systemone (SystemOne wire format) on a local HTTP port"),
-    "pull": ("clef_gguf.models.hub", "add_pull_arguments", "run_pull",
+    "ui": ("clef_gguf.server.ui_command", "add_arguments", "run",
+           "open the decision playground in the browser (serve on a free loopback port + GET /)"),
+    "pull": ("clef_gguf.models.commands", "add_pull_arguments", "run_pull",
              "download a catalog model (tower GGUF + head + tokenizer) at its pinned revision"),
-    "list": ("clef_gguf.models.hub", "add_list_arguments", "run_list",
+    "list": ("clef_gguf.models.commands", "add_list_arguments", "run_list",
              "show the models in the local Hugging Face cache (or --available: the catalog)"),
-    "pick": ("clef_gguf.models.device", "add_arguments", "run",
+    "pick": ("clef_gguf.models.pick", "add_arguments", "run",
              "probe this machine and recommend the best quant that fits, saying why"),
     "bench": ("clef_gguf.tools.bench", "add_arguments", "run",
               "time one decision per pipeline stage (encode/tower/lexical/head) on this machine"),
@@ -48,6 +50,12 @@ COMMANDS = {
                     "agreement of every quant type with the transformers reference (Markdown table)"),
     "parity": ("clef_gguf.tools.parity", "add_arguments", "run",
                "compare a converted model with the transformers reference of its release"),
+    "eval": ("clef_gguf.evaluate.cli", "add_eval_arguments", "run_eval",
+             "metrics of a model on labelled records (clef-finetune's), or several quants side "
+             "by side: agreement, deltas with intervals, cost, report.md"),
+    "calibrate": ("clef_gguf.evaluate.calibrate", "add_calibrate_arguments", "run_calibrate",
+                  "fit temperatures per question type and option band (labels, or --reference "
+                  "for label-free) and write CAL.json for --calibration"),
 }
 
 
@@ -93,12 +101,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 def _fail(error: errors.ClefError) -> int:
     print(json.dumps(error.to_dict(), ensure_ascii=False))
     print(f"clef-gguf: {error}", file=sys.stderr)
-    return 2 if error.status in (413, 422) else 1  # the request's fault vs the model's
+    # the request's or the flags' fault (exit 2) vs the model's (exit 1)
+    return 2 if error.status in (413, 422) or isinstance(error, errors.InvalidSetting) else 1
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:2] == ["convert", "split"]:  # the issue's spelling; argparse needs one word
+    if argv[:2] == ["convert", "split"]:  # upstream's two-word spelling; argparse needs one word
         argv[:2] = ["convert-split"]
     command = next((a for a in argv if not a.startswith("-")), None)
     args = build_parser(command).parse_args(argv)

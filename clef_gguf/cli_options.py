@@ -9,9 +9,14 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from clef_gguf.argtypes import gpu_layers, megabytes, positive_int
 from clef_gguf import errors, statecache
+from clef_gguf.limits import CONTEXT_WINDOW
+
+if TYPE_CHECKING:
+    from clef_gguf.runtime import Clef
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -38,10 +43,11 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "build has a GPU backend and the model fits, as `clef-gguf pick` says; "
                         "else 0), all, or a count; 0 keeps it on the CPU (nvfp4: auto/all use "
                         "CUDA when present, 0 the CPU)")
-    g.add_argument("--max-length", type=positive_int, default=16384,
-                   help="prompt window in tokens (reference: 16384); longer requests are refused")
-    g.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
-                   help="head precision: fp32 (default) or bf16 (the reference's numerics)")
+    g.add_argument("--max-length", type=positive_int, default=CONTEXT_WINDOW,
+                   help=f"prompt window in tokens (reference: {CONTEXT_WINDOW}); longer requests are refused")
+    g.add_argument("--head-dtype", "--precision", dest="head_dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="the head's dtype: fp32 (default) or bf16 (the reference's numerics); --precision is "
+                        "its earlier name")
     g.add_argument("--offline", action="store_true",
                    help="never download: catalog names resolve from the local cache only")
     g.add_argument("--state-cache-mb", type=megabytes, default=statecache.DEFAULT_MB,
@@ -52,20 +58,25 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="refuse keys the reference ignores (unknown_field) and apply Jev's limits "
                         "(1-64 questions, 2-255 choice options, 2-10 score levels); by default "
                         "they are ignored and named in the response's \"warnings\"")
+    g.add_argument("--calibration", metavar="CAL.json", default=None,
+                   help="apply the temperatures a `clef-gguf calibrate` file fitted for this very "
+                        "model (softmax(logits / T) per question; audit.calibration_version names "
+                        "it); a file fitted on other weights is refused. Default: none (T = 1, "
+                        "the reference's probabilities)")
 
 
-def load_model(args: argparse.Namespace):
+def load_model(args: argparse.Namespace) -> Clef:
     from clef_gguf.runtime import Clef
 
     return Clef.load(args.model, gguf=args.gguf, head=args.head, head_config=args.head_config,
                      tokenizer=args.tokenizer, threads=args.threads, max_length=args.max_length,
-                     precision=args.precision, allow_download=not args.offline,
+                     head_dtype=args.head_dtype, allow_download=not args.offline,
                      strict=args.strict, state_cache_mb=args.state_cache_mb,
                      gpu_layers=args.gpu_layers, head_threads=args.head_threads,
-                     backend=args.backend)
+                     backend=args.backend, calibration=getattr(args, "calibration", None))
 
 
-def read_request(source: str):
+def read_request(source: str) -> Any:
     try:
         raw = sys.stdin.buffer.read() if source == "-" else Path(source).read_bytes()
     except OSError as exc:

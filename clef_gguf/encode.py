@@ -18,6 +18,7 @@ import numpy as np
 import tokenizers
 
 from clef_gguf import errors
+from clef_gguf.limits import CONTEXT_WINDOW
 from clef_gguf.request import Question, Request
 
 SYSTEM = ("Read the complete state and schema. Decide every field jointly. "
@@ -27,7 +28,7 @@ SCHEMA_HEADER = "\n\nSCHEMA FIELDS:\n"
 OPTIONS_HEADER = "\nALLOWED OPTIONS:\n"
 FIELD_END = "END FIELD\n"
 SUFFIX = "\n<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nJOINT SCHEMA DECISIONS:"
-DEFAULT_MAX_LENGTH = 16384
+DEFAULT_MAX_LENGTH = CONTEXT_WINDOW
 # Pieces up to this many characters are cached (the fixed text, ids, option objects): the cache
 # then holds at most 4096 x 256 characters, whatever clients send. Longer pieces are tokenized
 # each time.
@@ -78,12 +79,21 @@ class Encoded:
         return np.concatenate([self.ids[s:e] for s, e in self.option_spans])
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """A request validated and tokenized, ready for the tower (``Clef.prepare``)."""
+
+    request: Request
+    encoded: Encoded
+    encode_ms: float
+
+
 class Encoder:
     """Tokenizes pieces with HF ``tokenizers``; fixed pieces are tokenized once."""
 
     def __init__(self, tokenizer: tokenizers.Tokenizer, max_length: int = DEFAULT_MAX_LENGTH):
         if max_length < 1:
-            raise errors.InvalidValue("max_length must be positive", field="max_length")
+            raise errors.InvalidSetting("max_length must be positive", field="max_length")
         self.tokenizer = tokenizer
         self.max_length = max_length
         self._cached = lru_cache(maxsize=4096)(self._tokenize)

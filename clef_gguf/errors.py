@@ -108,6 +108,18 @@ class HeadMismatch(ModelLoadError):
     code = "head_mismatch"
 
 
+class PinMismatch(ModelLoadError):
+    """The Hub no longer serves what a source's first pull pinned: main moved, or a file changed."""
+
+    code = "pin_mismatch"
+
+
+class NoQuantFits(ModelLoadError):
+    """No quant of the family fits this machine's memory (the message says what would)."""
+
+    code = "no_quant_fits"
+
+
 class ConversionError(ClefError):
     code = "conversion_error"
 
@@ -149,3 +161,130 @@ class InternalError(ClefError):
 class MissingDependency(ClefError):
     code = "missing_dependency"
     status = 500
+
+
+# Configuration (raised at load time): a ``Clef.load`` setting that cannot work (``threads``,
+# ``gpu_layers``, ``precision``, ``backend``...). The operator's fault, not a request's: the server
+# reports it through /health and exits; the CLI exits 2, as for any bad flag.
+class InvalidSetting(ClefError):
+    code = "invalid_setting"
+    status = 500
+
+
+# Server refusals (``clef-gguf serve``): the HTTP layer's own, around the request refusals above.
+class InvalidBatch(InvalidRequest):
+    """A batch body without a non-empty list of inputs."""
+
+    code = "invalid_batch"
+
+
+class TooManyInputs(InvalidRequest):
+    """More inputs in one batch than ``--max-batch``."""
+
+    code = "too_many_inputs"
+
+
+class InvalidContentLength(ClefError):
+    code = "invalid_content_length"
+    status = 400
+
+
+class Unauthorized(ClefError):
+    code = "unauthorized"
+    status = 401
+
+
+class NotFound(ClefError):
+    code = "not_found"
+    status = 404
+
+
+class MethodNotAllowed(ClefError):
+    code = "method_not_allowed"
+    status = 405
+
+
+class HttpRefusal(ClefError):
+    """Any other refusal of the HTTP framework: its status, and the code ``http_<status>``."""
+
+    code = "http_<status>"
+    status = 400
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.code = status, f"http_{status}"
+
+
+class BodyTooLarge(ClefError):
+    code = "body_too_large"
+    status = 413
+
+
+class ServerBusy(ClefError):
+    """Every place in the tokenizer stage or the model's queue is taken: retry later."""
+
+    code = "queue_full"
+    status = 429
+
+
+class ClientClosed(ClefError):
+    """The client disconnected before its answer: nothing is sent; logged as 499 (nginx's)."""
+
+    code = "client_closed"
+    status = 499
+
+
+class ModelLoading(ClefError):
+    code = "model_loading"
+    status = 503
+
+
+class ModelUnavailable(ClefError):
+    """The served model failed to load."""
+
+    code = "model_unavailable"
+    status = 503
+
+
+class ServerShuttingDown(ClefError):
+    code = "shutting_down"
+    status = 503
+
+
+class NotComputed(ClefError):
+    """A batch input that was accepted but never ran (its client left mid-batch)."""
+
+    code = "not_computed"
+    status = 500
+
+
+# Evaluation and calibration (``clef-gguf eval`` / ``calibrate``, ``Clef.load(calibration=)``).
+class InvalidLabel(InvalidRequest):
+    """A record's label that is none of its question's options, or names no question."""
+
+    code = "invalid_label"
+
+
+class CalibrationMismatch(ModelLoadError):
+    """A calibration file fitted on other weights, template or head than the model loaded."""
+
+    code = "calibration_mismatch"
+
+
+class WrongCalibration(InvalidRequest):
+    """A request whose ``calibration`` names another version than the one the model applies."""
+
+    code = "wrong_calibration"
+
+
+class CorruptCalibration(ModelLoadError):
+    """A calibration file that cannot be read, or whose content no longer matches its version."""
+
+    code = "corrupt_calibration"
+
+
+class CalibrationNotBetter(ClefError):
+    """The fitted temperatures make the held-out records worse: no file is written."""
+
+    code = "calibration_not_better"
+    status = 422

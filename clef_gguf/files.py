@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 
-from clef_gguf.errors import ConversionError, CorruptModel, InvalidValue, ModelNotFound
+from clef_gguf.errors import ConversionError, CorruptModel, InvalidSetting, ModelNotFound
 
 MANIFEST = "clef-gguf.json"
 MANIFEST_FORMAT = "clef-gguf/1"
@@ -196,8 +196,8 @@ def from_directory(directory: Path, backend: str | None = None) -> ModelFiles:
         if len(ggufs) != 1:
             found = ", ".join(p.name for p in ggufs) or "none"
             if checkpoint:  # --backend gguf on a compressed-tensors checkpoint
-                raise InvalidValue(f"--backend gguf needs a GGUF tower, but {directory} holds a "
-                                   f"compressed-tensors NVFP4 checkpoint and {found} .gguf file(s)",
+                raise InvalidSetting(f"--backend gguf needs a GGUF tower, but {directory} holds a "
+                                     f"compressed-tensors NVFP4 checkpoint and {found} .gguf file(s)",
                                    field="backend")
             raise ModelNotFound(f"{directory} has no {MANIFEST} and not exactly one .gguf file "
                                 f"(found: {found}); pass --gguf explicitly", field="model")

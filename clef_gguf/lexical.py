@@ -13,9 +13,11 @@ import enum
 import math
 import threading
 from pathlib import Path
+from typing import Any, Literal, NoReturn, Protocol
 
 import gguf
 import numpy as np
+import numpy.typing as npt
 
 from clef_gguf.errors import CorruptModel, ModelNotFound
 
@@ -44,25 +46,27 @@ class _Reader(gguf.GGUFReader):
     short arrays there, and walks a damaged array length or entry count one item at a time (for
     billions of steps on a large file)."""
 
-    def _get(self, offset, dtype, count=1, override_order=None):
+    def _get(self, offset: int, dtype: npt.DTypeLike, count: int = 1,
+             override_order: None | Literal["I", "S", "<"] = None) -> npt.NDArray[Any]:
         arr = super()._get(offset, dtype, count, override_order)
         if len(arr) != int(count):
             raise ValueError(f"the file ends inside the field at offset {int(offset)}")
         return arr
 
-    def _get_field_parts(self, orig_offs, raw_type):
+    def _get_field_parts(self, orig_offs: int, raw_type: int
+                         ) -> tuple[int, list[npt.NDArray[Any]], list[int], list[gguf.GGUFValueType]]:
         if raw_type == gguf.GGUFValueType.ARRAY:  # each item takes at least one byte
             n = int(self._get(orig_offs + 4, np.uint64)[0])
             if n > len(self.data) - orig_offs:
                 raise ValueError(f"an array of {n} items at offset {orig_offs} overruns the file")
         return super()._get_field_parts(orig_offs, raw_type)
 
-    def _build_fields(self, offs, count):
+    def _build_fields(self, offs: int, count: int) -> int:
         if int(count) > len(self.data) // 13:  # a key/value entry takes at least 13 bytes
             raise ValueError(f"{int(count)} metadata entries cannot fit in the file")
         return super()._build_fields(offs, count)
 
-    def _build_tensor_info(self, offs, count):
+    def _build_tensor_info(self, offs: int, count: int) -> tuple[int, list[gguf.ReaderField]]:
         if int(count) > len(self.data) // 24:  # a tensor entry takes at least 24 bytes
             raise ValueError(f"{int(count)} tensor entries cannot fit in the file")
         return super()._build_tensor_info(offs, count)
@@ -87,7 +91,7 @@ def _check_table(reader: gguf.GGUFReader) -> None:
                              f"misaligned or past the end of the file ({len(reader.data)} bytes)")
 
 
-def field_value(reader: gguf.GGUFReader, key: str, default=None):
+def field_value(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
     f = reader.fields.get(key)
     if f is None:
         return default
@@ -104,6 +108,62 @@ def file_type_name(reader: gguf.GGUFReader) -> str:
     except ValueError:
         return f"ftype_{ft}"
     return name.replace("MOSTLY_", "").replace("ALL_", "").lower()
+
+
+# ---------------------------------------------------------------- qwen35 header checks
+# qwen35 hyperparameters llama.cpp 0.3.36 reads but does not check against the tensors: a bad value
+# reaches a GGML_ASSERT (the process aborts) or a graph that never finishes. Its layer limit:
+LLAMA_MAX_LAYERS = 512
+_INT_TYPES = {"UINT8", "INT8", "UINT16", "INT16", "UINT32", "INT32", "UINT64", "INT64"}
+
+
+def check_header(reader: gguf.GGUFReader, path: Path) -> None:
+    """Refuse (CorruptModel) a qwen35 GGUF, parsed by :func:`open_gguf`, that llama.cpp would
+    abort or hang on: block count, width, rotary dims, GDN inner size, norm epsilon or vocab."""
+
+    def refuse(why: str) -> NoReturn:
+        raise CorruptModel(f"{path} is a damaged qwen35 tower: {why}", field="tower")
+
+    def number(key: str, kinds: set[str] = _INT_TYPES, required: bool = True) -> Any:
+        f = reader.fields.get(key)
+        if f is None and not required:  # llama.cpp has a default for it
+            return None
+        if f is None or len(f.types) != 1 or f.types[0].name not in kinds:
+            refuse(f"{key} is missing or not a {'whole ' if 'INT32' in kinds else ''}number")
+        return f.contents()
+
+    shapes = {t.name: [int(d) for d in t.shape] for t in reader.tensors}
+    n_layer = number("qwen35.block_count")
+    blocks = {int(n.split(".")[1]) for n in shapes if n.split(".")[0] == "blk"
+              and n.split(".")[1].isdigit()}
+    if not 1 <= n_layer <= LLAMA_MAX_LAYERS or blocks != set(range(n_layer)):
+        refuse(f"qwen35.block_count is {n_layer}, the tensors have {len(blocks)} blocks")
+    n_embd = number("qwen35.embedding_length")
+    if shapes.get("token_embd.weight", [None])[0] != n_embd:
+        refuse(f"qwen35.embedding_length {n_embd} is not token_embd.weight's width "
+               f"{shapes.get('token_embd.weight')}")
+    head = number("qwen35.attention.key_length", required=False)
+    n_rot = number("qwen35.rope.dimension_count", required=False)
+    n_rot = head if n_rot is None else n_rot  # llama.cpp's default
+    if n_rot is not None and (n_rot < 2 or n_rot % 2 or (head is not None and n_rot > head)):
+        refuse(f"qwen35.rope.dimension_count {n_rot} is not an even count <= key_length {head}")
+    # Rotary pairs given to each of the (up to 4) position axes: at most the n_rot / 2 there are.
+    sections = reader.fields.get("qwen35.rope.dimension_sections")
+    if n_rot is not None and sections is not None and sections.types[-1].name in _INT_TYPES:
+        values = sections.contents()
+        values = [int(v) for v in values] if isinstance(values, list) else [int(values)]
+        if len(values) > 4 or min(values, default=0) < 0 or sum(values) > n_rot // 2:
+            refuse(f"qwen35.rope.dimension_sections {values} do not split {n_rot // 2} pairs")
+    inner = number("qwen35.ssm.inner_size")
+    wrong = [n for n, s in shapes.items() if n.endswith(".ssm_out.weight") and s[0] != inner]
+    if inner < 1 or wrong:
+        refuse(f"qwen35.ssm.inner_size {inner} is not the width of {wrong[:1] or 'ssm_out'}")
+    eps = number("qwen35.attention.layer_norm_rms_epsilon", {"FLOAT32", "FLOAT64"})
+    if not 0 < eps < 1:  # NaN fails too
+        refuse(f"qwen35.attention.layer_norm_rms_epsilon is {eps}")
+    tokens = reader.fields.get("tokenizer.ggml.tokens")  # llama.cpp asserts they are distinct
+    if tokens is not None and len({bytes(tokens.parts[i]) for i in tokens.data}) < len(tokens.data):
+        refuse("tokenizer.ggml.tokens holds the same token twice")
 
 
 # ---------------------------------------------------------------- ggml's own dequantizer
@@ -167,8 +227,8 @@ def _add_member(cls: type[enum.IntEnum], name: str, value: int) -> None:
         return
     member = int.__new__(cls, value)
     member._name_, member._value_ = name, value
-    member.__objclass__ = cls
-    member._sort_order_ = len(cls._member_names_)
+    setattr(member, "__objclass__", cls)  # enum's private bookkeeping, which typeshed leaves out
+    setattr(member, "_sort_order_", len(cls._member_names_))
     type.__setattr__(cls, name, member)  # EnumType.__setattr__ refuses to touch members
     cls._member_map_[name] = member
     cls._value2member_map_[value] = member
@@ -205,15 +265,27 @@ def ensure_gguf_types() -> None:
         _done = True
 
 
-class LexicalRows:
-    """``rows(token_ids) -> float32 [n, H]``: dequantized rows in a bounded store (thread-safe).
+class RowSource(Protocol):
+    """Where lexical rows come from: an lm_head tensor of ``vocab_size`` rows of ``hidden_size``."""
 
-    The store holds at most ``max_bytes`` of rows (least recently used evicted), so a client
-    cycling through the vocabulary cannot grow it past the device policy's budget. Lookups are
-    array operations (a token -> slot table and one gather), not a Python loop per token.
-    """
+    tensor_name: str
+    hidden_size: int
+    vocab_size: int
 
-    def __init__(self, reader: gguf.GGUFReader, max_bytes: int = CACHE_BYTES):
+    @property
+    def type_name(self) -> str:
+        """The stored type of the rows (before dequantization), e.g. Q8_0 or BF16."""
+        ...
+
+    def dequantize(self, ids: np.ndarray) -> np.ndarray:
+        """float32 ``[len(ids), hidden_size]``: the rows of these token ids, in order."""
+        ...
+
+
+class GGUFRows:
+    """The rows of a GGUF's ``output.weight`` (``token_embd.weight`` when tied), memory-mapped."""
+
+    def __init__(self, reader: gguf.GGUFReader):
         tensors = {t.name: t for t in reader.tensors}
         tensor = tensors.get(OUTPUT) or tensors.get(TIED)
         if tensor is None:
@@ -225,29 +297,13 @@ class LexicalRows:
         self.tensor_name = tensor.name
         self.type = gguf.GGMLQuantizationType(tensor.tensor_type)
         self._data = tensor.data
-        self._init_store(*(int(x) for x in tensor.shape[:2]), max_bytes)  # ggml order: [H, vocab]
-
-    def _init_store(self, hidden_size: int, vocab_size: int, max_bytes: int) -> None:
-        self.hidden_size, self.vocab_size = hidden_size, vocab_size
-        self.capacity = int(max(1, min(self.vocab_size, max_bytes // (4 * self.hidden_size))))
-        self._store = np.empty((self.capacity, self.hidden_size), dtype=np.float32)
-        self._slot = np.full(self.vocab_size, -1, dtype=np.int64)  # token id -> slot, -1: absent
-        self._owner = np.full(self.capacity, -1, dtype=np.int64)  # slot -> token id
-        self._used = np.zeros(self.capacity, dtype=np.int64)  # slot -> tick of its last use
-        self._tick = 0
-        self._lock = threading.Lock()
+        self.hidden_size, self.vocab_size = (int(x) for x in tensor.shape[:2])  # ggml order: [H, vocab]
 
     @property
     def type_name(self) -> str:
-        """The stored type of the rows (before dequantization), e.g. Q8_0 or BF16."""
         return self.type.name
 
-    @property
-    def cached(self) -> np.ndarray:
-        """Token ids whose rows are in the store."""
-        return np.sort(self._owner[self._owner >= 0])
-
-    def _dequantize(self, ids: np.ndarray) -> np.ndarray:
+    def dequantize(self, ids: np.ndarray) -> np.ndarray:
         raw = np.asarray(self._data[ids])
         if self.type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
             return raw.astype(np.float32).reshape(len(ids), self.hidden_size)
@@ -257,6 +313,38 @@ class LexicalRows:
             rows = _ggml_to_float(raw, int(self.type), self.hidden_size)
         return np.asarray(rows, dtype=np.float32).reshape(len(ids), self.hidden_size)
 
+
+class RowStore:
+    """``rows(token_ids) -> float32 [n, H]``: a source's rows, dequantized, in a bounded store
+    (thread-safe).
+
+    The store holds at most ``max_bytes`` of rows (least recently used evicted), so a client
+    cycling through the vocabulary cannot grow it past the device policy's budget. Lookups are
+    array operations (a token -> slot table and one gather), not a Python loop per token.
+    """
+
+    def __init__(self, source: RowSource, max_bytes: int = CACHE_BYTES):
+        self.source = source
+        self.tensor_name = source.tensor_name
+        self.hidden_size, self.vocab_size = source.hidden_size, source.vocab_size
+        self.capacity = int(max(1, min(self.vocab_size, max_bytes // (4 * self.hidden_size))))
+        self._store: npt.NDArray[np.float32] = np.empty((self.capacity, self.hidden_size), dtype=np.float32)
+        self._slot: npt.NDArray[np.int64] = np.full(self.vocab_size, -1, dtype=np.int64)  # token -> slot, -1: absent
+        self._owner: npt.NDArray[np.int64] = np.full(self.capacity, -1, dtype=np.int64)  # slot -> token id
+        self._used: npt.NDArray[np.int64] = np.zeros(self.capacity, dtype=np.int64)  # slot -> tick of last use
+        self._tick = 0
+        self._lock = threading.Lock()
+
+    @property
+    def type_name(self) -> str:
+        """The stored type of the rows (before dequantization), e.g. Q8_0 or BF16."""
+        return self.source.type_name
+
+    @property
+    def cached(self) -> np.ndarray:
+        """Token ids whose rows are in the store."""
+        return np.sort(self._owner[self._owner >= 0])
+
     def _admit(self, missing: np.ndarray, keep: np.ndarray) -> None:
         """Put ``missing`` rows in the slots least recently used, never in those of ``keep``."""
         used = self._used.copy()
@@ -264,7 +352,7 @@ class LexicalRows:
         slots = np.argpartition(used, missing.size - 1)[:missing.size]
         evicted = self._owner[slots]
         self._slot[evicted[evicted >= 0]] = -1
-        self._store[slots] = self._dequantize(missing)
+        self._store[slots] = self.source.dequantize(missing)
         self._owner[slots] = missing
         self._slot[missing] = slots
 
@@ -278,7 +366,7 @@ class LexicalRows:
                                f"({self.vocab_size} rows)")
         unique = np.unique(token_ids)
         if unique.size > self.capacity:  # more distinct rows than the store holds: no caching
-            return self._dequantize(unique)[np.searchsorted(unique, token_ids)]
+            return self.source.dequantize(unique)[np.searchsorted(unique, token_ids)]
         with self._lock:
             self._tick += 1
             slots = self._slot[unique]
@@ -288,3 +376,10 @@ class LexicalRows:
             slots = self._slot[token_ids]
             self._used[slots] = self._tick
             return self._store[slots]
+
+
+class LexicalRows(RowStore):
+    """A GGUF's lexical rows (:class:`GGUFRows`) in the bounded store."""
+
+    def __init__(self, reader: gguf.GGUFReader, max_bytes: int = CACHE_BYTES):
+        super().__init__(GGUFRows(reader), max_bytes)

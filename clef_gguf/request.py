@@ -13,6 +13,7 @@ ignored key into an ``unknown_field`` error.
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -45,9 +46,11 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     obj = dict(pairs)
     if len(obj) != len(pairs):
         seen: set[str] = set()
-        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise errors.InvalidJson(f"the key {dup!r} appears twice in one object; JSON readers keep "
-                                 "one of them silently, so send it once", field=dup)
+        for key, _ in pairs:
+            if key in seen:
+                raise errors.InvalidJson(f"the key {key!r} appears twice in one object; JSON readers "
+                                         "keep one of them silently, so send it once", field=key)
+            seen.add(key)
     return obj
 
 
@@ -68,6 +71,42 @@ def parse_json(raw: bytes | str) -> Any:
         raise errors.InvalidJson(f"not valid JSON: {exc}", field=None) from None
     except RecursionError:
         raise errors.InvalidJson("the JSON is nested too deeply to read", field=None) from None
+    except ValueError:  # a whole number past Python's int/str conversion limit (CVE-2020-10735)
+        _refuse_long_number(text)
+        raise
+
+
+class _LongNumber(str):
+    """A number's digits, kept as text to find where it was once the reader refused it."""
+
+
+def _number_limit() -> int:
+    """Python's digit limit for int <-> str conversions (0: none), which json.dumps and the
+    reference's prompt rendering hit too."""
+    return sys.get_int_max_str_digits()
+
+
+def _refuse_long_number(text: str) -> None:
+    """Read ``text`` again keeping over-long numbers as text, and refuse the first one by field."""
+    limit = _number_limit()
+    marked = json.loads(text, parse_constant=_refuse_constant, object_pairs_hook=_unique_keys,
+                        parse_int=lambda digits: _LongNumber(digits) if limit and len(digits.lstrip("-")) > limit
+                        else int(digits))
+    stack: list[tuple[Any, tuple[str | int, ...]]] = [(marked, ())]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, _LongNumber):
+            raise errors.InvalidValue(_long_number_message(len(node.lstrip("-"))), field=_field(path) or None)
+        if isinstance(node, dict):
+            stack.extend((item, path + (key,)) for key, item in reversed(node.items()))
+        elif isinstance(node, list):
+            stack.extend((item, path + (i,)) for i, item in reversed(list(enumerate(node))))
+
+
+def _long_number_message(digits: int | None) -> str:
+    size = f"has {digits} digits, more than" if digits else "is longer than"
+    return (f"a whole number that {size} the {_number_limit()}-digit limit Python puts on "
+            "converting numbers to text; send it as a string")
 
 
 class QuestionSpec(pydantic.BaseModel):
@@ -129,6 +168,7 @@ class Request:
     questions: tuple[Question, ...]
     truncate_state: bool = False
     warnings: tuple[dict, ...] = ()  # what was ignored, for the response's ``warnings``
+    calibration: Any = None  # the version asked for, as sent (None: not sent); checked by the runtime
 
 
 def _field(loc: tuple) -> str:
@@ -180,12 +220,21 @@ def check_json_values(value: Any, root: str | None = None) -> None:
             raise errors.InvalidValue(f"nested deeper than {MAX_DEPTH} levels", field=where)
         if isinstance(node, str):
             _check_text(node, where)
+        elif isinstance(node, int) and not isinstance(node, bool):
+            _check_number(node, where)
         elif isinstance(node, dict):
             for key, item in node.items():
                 _check_text(key, where)
                 stack.append((item, path + (key,), depth + 1))
         elif isinstance(node, list):
             stack.extend((item, path + (i,), depth + 1) for i, item in enumerate(node))
+
+
+def _check_number(number: int, where: str | None) -> None:
+    """A Python int (API callers) the prompt renderer could not write as text."""
+    limit = _number_limit()
+    if limit and number.bit_length() > limit * 3.32 and abs(number) >= 10 ** limit:
+        raise errors.InvalidValue(_long_number_message(None), field=where)
 
 
 def _check_text(text: str, where: str | None) -> None:
@@ -290,8 +339,12 @@ def _question(qid: str, spec: QuestionSpec, policy: _Policy) -> Question:
     return Question(qid, "score", instruction, options, tuple(o.id for o in options), legend)
 
 
-def parse_request(body: Any, *, truncate_state: bool = False, strict: bool = False) -> Request:
-    """Validate a decoded JSON body; raise an ``InvalidRequest`` subclass naming the field."""
+def parse_request(body: Any, *, truncate_state: bool = False, strict: bool = False,
+                  calibrated: bool = False) -> Request:
+    """Validate a decoded JSON body; raise an ``InvalidRequest`` subclass naming the field.
+
+    ``calibrated``: the model applies a calibration, so the request's ``calibration`` is kept on
+    the Request for the runtime to match against it; without one the key is ignored (reference)."""
     if not isinstance(body, dict):
         raise errors.InvalidValue("the request must be a JSON object", field=None)
     check_json_values(body)
@@ -310,7 +363,7 @@ def parse_request(body: Any, *, truncate_state: bool = False, strict: bool = Fal
                 field=media)
     if wire.media_kwargs:
         policy.ignored("media_kwargs", "there is no media to process")
-    if wire.calibration not in (None, "none"):
+    if not calibrated and wire.calibration not in (None, "none"):
         if policy.strict:
             raise errors.Unsupported(f"no calibration {_short(wire.calibration)} is available; "
                                      "answers are the model's raw probabilities",
@@ -324,4 +377,5 @@ def parse_request(body: Any, *, truncate_state: bool = False, strict: bool = Fal
                                       f"(got {len(wire.questions)})", field="questions")
     questions = tuple(_question(qid, spec, policy) for qid, spec in wire.questions.items())
     wants_truncation = truncate_state or bool(wire.options and wire.options.truncate_state)
-    return Request(wire.model, wire.state, questions, wants_truncation, tuple(policy.warnings))
+    return Request(wire.model, wire.state, questions, wants_truncation, tuple(policy.warnings),
+                   wire.calibration)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -16,24 +15,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from clef_gguf import answer, backends, errors, files as model_files, statecache
-from clef_gguf.encode import DEFAULT_MAX_LENGTH, TEMPLATE_SHA256, Encoded, Encoder
+from clef_gguf import answer, backends, engine, errors, files as model_files, statecache
+from clef_gguf.encode import DEFAULT_MAX_LENGTH, TEMPLATE_SHA256, Encoded, Encoder, Prepared
+from clef_gguf.evaluate import calibration as calibration_file
 from clef_gguf.heads import head_scalars, load_head
 from clef_gguf.models.catalog import is_catalog_name
-from clef_gguf.lexical import LexicalRows
-from clef_gguf.request import Request, parse_request
-from clef_gguf.tower import Tower
+from clef_gguf.lexical import RowStore
+from clef_gguf.request import parse_request
+from clef_gguf.towers import LanguageTower, check_pack
 
 log = logging.getLogger("clef_gguf")
 
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-@dataclass(frozen=True)
-class Prepared:
-    request: Request
-    encoded: Encoded
-    encode_ms: float
+# The head's dtype. "precision" is the audit's name for the tower's weight format (q4_k_m, f32...),
+# so the head's is called head_dtype everywhere (``precision=`` stays accepted as its old spelling).
+HEAD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def resolve(model: str | Path | None = None, *, gguf: str | Path | None = None,
@@ -45,12 +40,12 @@ def resolve(model: str | Path | None = None, *, gguf: str | Path | None = None,
     explicit = {"tower": gguf, "head_weights": head, "head_config": head_config,
                 "tokenizer": tokenizer}
     if model is None:
-        missing = [k for k, v in explicit.items() if v is None]
-        if missing:
+        if gguf is None or head is None or head_config is None or tokenizer is None:
+            missing = [k for k, v in explicit.items() if v is None]
             raise errors.MissingField("give a model directory or all of --gguf, --head, "
                                       f"--head-config, --tokenizer (missing: {', '.join(missing)})",
                                       field="model")
-        found = model_files.ModelFiles(**{k: Path(v) for k, v in explicit.items()},
+        found = model_files.ModelFiles(Path(gguf), Path(head), Path(head_config), Path(tokenizer),
                                        name=Path(gguf).stem)
         found.check_exist()
         return found
@@ -82,7 +77,10 @@ def resolve(model: str | Path | None = None, *, gguf: str | Path | None = None,
 class Clef:
     """A loaded Clef model: ``decide(request) -> SystemOne response dict``."""
 
-    def __init__(self, files: model_files.ModelFiles, tower: Tower, lexical: LexicalRows,
+    # Temperatures per question (``Clef.load(calibration=)``); None: the reference's T = 1.
+    calibration: calibration_file.Calibration | None = None
+
+    def __init__(self, files: model_files.ModelFiles, tower: LanguageTower, lexical: RowStore,
                  head: torch.nn.Module, encoder: Encoder, provenance: answer.Provenance,
                  info: dict[str, Any], *, strict: bool = False,
                  state_cache_mb: float = statecache.DEFAULT_MB):
@@ -96,21 +94,28 @@ class Clef:
     def load(cls, model: str | Path | None = None, *, gguf: str | Path | None = None,
              head: str | Path | None = None, head_config: str | Path | None = None,
              tokenizer: str | Path | None = None, threads: int | None = None,
-             max_length: int = DEFAULT_MAX_LENGTH, precision: str = "fp32",
+             max_length: int = DEFAULT_MAX_LENGTH, head_dtype: str = "fp32",
              allow_download: bool = False, strict: bool = False,
              state_cache_mb: float = statecache.DEFAULT_MB,
              gpu_layers: int | str = "auto", head_threads: int | None = None,
-             backend: str | None = None) -> Clef:
+             backend: str | None = None,
+             calibration: str | Path | calibration_file.Calibration | None = None,
+             precision: str | None = None) -> Clef:
         """``backend``: ``gguf`` (llama.cpp) or ``nvfp4`` (a compressed-tensors checkpoint in
-        PyTorch); None or ``auto``: what the model's files are."""
-        if precision not in PRECISIONS:
-            raise errors.InvalidValue(f"precision must be one of {', '.join(PRECISIONS)}",
-                                      field="precision")
+        PyTorch); None or ``auto``: what the model's files are. ``calibration``: a CAL.json
+        written by ``clef-gguf calibrate`` for these very files (refused otherwise); None or
+        "none": the reference's probabilities. ``head_dtype``: the head's fp32 (default) or bf16 (the
+        reference's own numerics); ``precision`` is its earlier name."""
+        cal = calibration_file.load(calibration)  # a bad file fails before the tower loads
+        asked = "head_dtype" if precision is None else "precision"
+        head_dtype = head_dtype if precision is None else precision
+        if head_dtype not in HEAD_DTYPES:
+            raise errors.InvalidSetting(f"{asked} must be one of {', '.join(HEAD_DTYPES)}", field=asked)
         if head_threads is not None and (not isinstance(head_threads, int) or head_threads < 1):
-            raise errors.InvalidValue(f"head_threads must be a whole number >= 1 (got "
+            raise errors.InvalidSetting(f"head_threads must be a whole number >= 1 (got "
                                       f"{head_threads!r})", field="head_threads")
         if not isinstance(state_cache_mb, (int, float)) or not 0 <= state_cache_mb < 1 << 30:
-            raise errors.InvalidValue(f"state_cache_mb must be a size in MiB >= 0 (got "
+            raise errors.InvalidSetting(f"state_cache_mb must be a size in MiB >= 0 (got "
                                       f"{state_cache_mb!r})", field="state_cache_mb")
         found = resolve(model, gguf=gguf, head=head, head_config=head_config,
                         tokenizer=tokenizer, allow_download=allow_download,
@@ -118,7 +123,7 @@ class Clef:
         opened = backends.open_tower_files(found, backend)
         lexical = opened.lexical
         joint = load_head(found.head_config, found.head_weights, hidden_size=lexical.hidden_size,
-                          dtype=PRECISIONS[precision])
+                          dtype=HEAD_DTYPES[head_dtype])
         encoder = Encoder.from_file(found.tokenizer, max_length)
         # The largest id as well as the count: a damaged tokenizer.json can hold ids past its size.
         ids = encoder.tokenizer.get_vocab(with_added_tokens=True).values()
@@ -137,26 +142,37 @@ class Clef:
                                       f"{lexical.hidden_size}", field="tower")
         model_hash = opened.model_hash()  # the files that run, not the ones a manifest named
         quant = opened.quant
-        provenance = answer.Provenance(found.name, model_hash, opened.runner, quant, TEMPLATE_SHA256)
+        if cal is not None:
+            try:
+                cal.check_bound(calibration_file.binding(found, model_hash, TEMPLATE_SHA256))
+            except errors.ClefError:
+                tower.close()
+                raise
+        provenance = answer.Provenance(found.name, model_hash, opened.runner, quant, TEMPLATE_SHA256,
+                                       cal.version if cal else calibration_file.NONE)
         info = {"name": found.name, "quant": quant, "revision": found.revision,
                 "files": {p.name: found.known_sha256(p) for p in found.paths().values()}
                 | {found.tower.name: model_hash},
-                "backend": opened.runner, "precision": quant, "head_dtype": precision,
+                "backend": opened.runner, "precision": quant, "head_dtype": head_dtype,
                 "max_length": max_length, "n_embd": tower.n_embd, "lexical_rows": lexical.type_name,
                 "lm_head_avoided": tower.uses_nextn, "gpu_layers": tower.gpu_layers,
                 "threads": tower.threads, "head_threads": torch.get_num_threads()}
-        if opened.backend == "nvfp4":
-            info |= {"kernel": tower.kernel, "device": tower.device}
+        info |= tower.details()  # the backend's own facts (nvfp4: kernel, device)
         log.info("loaded %s (%s, n_embd %d) on %s, head scalars %s", found.tower.name, quant,
                  tower.n_embd, "the GPU" if tower.gpu_layers else "the CPU", head_scalars(joint))
-        return cls(found, tower, lexical, joint, encoder, provenance, info, strict=strict,
+        clef = cls(found, tower, lexical, joint, encoder, provenance, info, strict=strict,
                    state_cache_mb=state_cache_mb)
+        clef.calibration = cal
+        return clef
 
     def prepare(self, request: Any, *, truncate_state: bool = False,
                 strict: bool | None = None) -> Prepared:
         t0 = time.perf_counter()
         parsed = parse_request(request, truncate_state=truncate_state,
-                               strict=self.strict if strict is None else strict)
+                               strict=self.strict if strict is None else strict,
+                               calibrated=self.calibration is not None)
+        if self.calibration is not None:
+            self.calibration.check_requested(parsed.calibration)
         encoded = self.encoder.encode(parsed)
         return Prepared(parsed, encoded, (time.perf_counter() - t0) * 1e3)
 
@@ -190,48 +206,27 @@ class Clef:
         if not isinstance(window, int) or window < 1:
             raise errors.InvalidValue(f"window must be a whole number >= 1 (got {window!r})",
                                       field="window")
-        self._check_pack(pack)
-        pending: list[Any] = []
-        for request in requests:
-            pending.append(request)
-            if len(pending) == window:
-                yield from self._many(pending, truncate_state, pack)
-                pending = []
-        if pending:
-            yield from self._many(pending, truncate_state, pack)
+        check_pack(pack)
+        for chunk in engine.windows(requests, window):
+            yield from engine.answer(self, chunk, truncate_state=truncate_state, pack=pack)
 
-    def _many(self, requests: list[Any], truncate_state: bool, pack: int | None = None) -> list[dict]:
-        results: list[dict | None] = [None] * len(requests)
-        prepared: dict[int, Prepared] = {}
-        for i, request in enumerate(requests):
-            try:
-                prepared[i] = self.prepare(request, truncate_state=truncate_state)
-            except errors.ClefError as exc:
-                results[i] = exc.to_dict()
-
-        def state_of(i: int) -> bytes:
-            enc = prepared[i].encoded
-            return enc.ids[:enc.prefix_tokens + enc.state_tokens].tobytes()
-
-        order = sorted(prepared, key=state_of)  # stable: input order within one state
-        for i, out in zip(order, self.run_many([prepared[i] for i in order], pack=pack)):
-            results[i] = out.to_dict() if isinstance(out, errors.ClefError) else out[0]
-        return results
+    def pack_size(self, prepared: Prepared) -> int:
+        """How many prompts like this one the tower decodes together (1: one at a time)."""
+        return self.tower.pack_size(prepared.encoded.n_tokens)
 
     def run_many(self, prepared: list[Prepared], *, pack: int | None = None
                  ) -> list[tuple[dict, dict[str, float]] | errors.ClefError]:
         """``run`` for several prepared requests, in order: ``(response, timings)`` each, or the
         ClefError it raised (the others still run). The tower decodes up to ``pack`` prompts per
-        llama_decode (None: its policy, ``tower.PACKING``; 1: one at a time, exactly ``run``); the
+        llama_decode (None: its policy, ``packing.PACKING``; 1: one at a time, exactly ``run``); the
         answers are the same either way. A packed request's ``tower`` time is its share of the
         packed decode."""
-        self._check_pack(pack)
-        many = getattr(self.tower, "forward_many", None)  # towers of other backends run one by one
-        if pack == 1 or many is None or len(prepared) < 2:
+        check_pack(pack)
+        if pack == 1 or len(prepared) < 2:
             return [self._run_or_error(p) for p in prepared]
         t0 = time.perf_counter()
-        towers = many([(p.encoded.ids, p.encoded.prefix_tokens, p.encoded.state_tokens)
-                       for p in prepared], self.state_cache, pack=pack)
+        towers = self.tower.forward_many([(p.encoded.ids, p.encoded.prefix_tokens, p.encoded.state_tokens)
+                                          for p in prepared], self.state_cache, pack=pack)
         share = (time.perf_counter() - t0) * 1e3 / len(prepared)
         out: list[tuple[dict, dict[str, float]] | errors.ClefError] = []
         for p, tower in zip(prepared, towers):
@@ -243,11 +238,6 @@ class Clef:
             except errors.ClefError as exc:
                 out.append(exc)
         return out
-
-    @staticmethod
-    def _check_pack(pack: Any) -> None:
-        if pack is not None and (not isinstance(pack, int) or isinstance(pack, bool) or pack < 1):
-            raise errors.InvalidValue(f"pack must be a whole number >= 1 (got {pack!r})", field="pack")
 
     def _run_or_error(self, prepared: Prepared) -> tuple[dict, dict[str, float]] | errors.ClefError:
         try:
@@ -273,7 +263,7 @@ class Clef:
         t1 = time.perf_counter()
         logits, option_ids, t2 = self._head_logits(enc, hidden)
         t3 = time.perf_counter()
-        probs = answer.split_probabilities(logits, enc.option_counts)
+        probs = answer.split_probabilities(logits, enc.option_counts, self.temperatures(enc))
         response = answer.envelope(prepared.request, probs, enc.n_tokens, self.provenance,
                                    truncated=enc.truncated, option_token_ids=option_ids,
                                    cached_tokens=cached)
@@ -288,7 +278,13 @@ class Clef:
     def probabilities(self, request: Any, *, truncate_state: bool = False) -> list[np.ndarray]:
         """Unrounded fp32 probabilities per question, in prompt option order (parity checks)."""
         enc = self.prepare(request, truncate_state=truncate_state).encoded
-        return answer.split_probabilities(self.logits(enc), enc.option_counts)
+        return answer.split_probabilities(self.logits(enc), enc.option_counts, self.temperatures(enc))
+
+    def temperatures(self, enc: Encoded) -> tuple[float, ...] | None:
+        """The calibration's temperature of each question of ``enc`` (None: uncalibrated)."""
+        if self.calibration is None:
+            return None
+        return self.calibration.temperatures_for(enc.types, enc.option_counts)
 
     def close(self) -> None:
         self.tower.close()
@@ -296,5 +292,5 @@ class Clef:
     def __enter__(self) -> Clef:
         return self
 
-    def __exit__(self, *_exc) -> None:
+    def __exit__(self, *_exc: object) -> None:
         self.close()

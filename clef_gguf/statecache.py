@@ -14,12 +14,15 @@ in chunks from its own start), so a restored segment is bit-identical to a fresh
 from __future__ import annotations
 
 import threading
+from abc import ABC, abstractmethod
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # numpy is only handled here, never needed to import this module
     import numpy as np
+
+    from clef_gguf.errors import ClefError
 
 # About three 2,000-token states of the 9B (~150 MB each: 64 MB of KV cells, 50 MB of recurrent
 # state, 32 MB of hidden states), or hundreds of short ones.
@@ -97,18 +100,75 @@ class StateCache:
             self._bytes = 0
 
 
-class SegmentedForward:
-    """The canonical decode schedule and its reuse, shared by the towers of both backends.
+@dataclass
+class Plan:
+    """How one prompt ``[prefix][state][rest]`` is decoded on one sequence: what is restored first,
+    which segments are decoded after it (each from its own start), and what is kept on the way."""
+
+    ids: np.ndarray
+    prefix: int
+    head: int  # prefix + state tokens
+    start: Snapshot | None  # restored first: a cached [prefix][state] or the kept prefix; None: nothing
+    cached: int  # tokens restored rather than decoded
+    segments: list[tuple[int, int]]
+    state_key: bytes | None  # the [prefix][state] snapshot goes there once token ``head`` is decoded
+
+    @property
+    def keeps_prefix(self) -> bool:
+        """Whether the first segment is the prefix, decoded from scratch and kept as the tower's."""
+        return self.start is None
+
+
+def usable(cache: StateCache | None) -> StateCache | None:
+    """``cache``, or None where it keeps nothing."""
+    return cache if cache is not None and cache.max_bytes > 0 else None
+
+
+class SegmentedForward(ABC):
+    """The canonical decode schedule and its reuse, shared by the towers of both backends and by
+    the llama.cpp tower's packed decoding; every cache key and cache rule is here.
 
     A prompt ``[prefix][state][rest]`` is decoded segment by segment on one sequence. The prefix
     is decoded once and kept; with a cache, a known ``[prefix][state]`` is restored and a known
-    prompt is not decoded at all. A tower supplies the sequence operations: ``_begin()`` (a fresh
-    sequence), ``_resume(kept)``, ``_append(seq, ids, start) -> hidden``, ``_kept_bytes(seq)`` and
-    ``_keep(seq, size) -> kept`` (a restorable copy), plus ``_lock``, ``closed``, ``n_ctx``,
-    ``n_vocab`` and ``n_embd``."""
+    prompt is not decoded at all. :meth:`_plan` says which, :meth:`_run` carries a plan out with
+    the tower's sequence operations: ``_begin()`` (a fresh sequence), ``_resume(kept)``,
+    ``_append(seq, ids, start) -> hidden``, ``_kept_bytes(seq)`` and ``_keep(seq, size) -> kept``
+    (a restorable copy), plus ``_lock``, ``closed``, ``n_ctx``, ``n_vocab`` and ``n_embd``."""
 
     _prefix: tuple[bytes, Snapshot] | None = None
+    _lock: threading.Lock
     vocab_name = "vocab"  # what the token ids index, for the error
+
+    @property
+    @abstractmethod
+    def n_ctx(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def n_vocab(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def n_embd(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def closed(self) -> bool: ...
+
+    @abstractmethod
+    def _begin(self) -> Any: ...
+
+    @abstractmethod
+    def _resume(self, kept: Any) -> Any: ...
+
+    @abstractmethod
+    def _append(self, seq: Any, ids: np.ndarray, start: int) -> np.ndarray: ...
+
+    @abstractmethod
+    def _kept_bytes(self, seq: Any) -> int: ...
+
+    @abstractmethod
+    def _keep(self, seq: Any, size: int) -> Any: ...
 
     def _checked(self, ids: np.ndarray) -> np.ndarray:
         import numpy as np
@@ -133,42 +193,121 @@ class SegmentedForward:
         segments given as token counts."""
         import numpy as np
 
-        cache = cache if cache is not None and cache.max_bytes > 0 else None
+        cache = usable(cache)
         ids = np.ascontiguousarray(ids, dtype=np.int32)
-        prompt_key = cache.key("prompt", ids) if cache is not None else None
-        if cache is not None and (hit := cache.get(prompt_key)) is not None:
-            return hit.hidden.copy(), hit.n_tokens
+        if (hit := self._cached_prompt(ids, cache)) is not None:
+            return hit
         with self._lock:
             ids = self._checked(ids)
-            hidden, cached = self._forward_locked(ids, prefix, state, cache)
-        if cache is not None:
-            cache.put(prompt_key, Snapshot(len(ids), None, hidden.copy()))
+            hidden, cached = self._run(self._plan(ids, prefix, state, cache), cache)
+        self._remember(ids, hidden, cache)
         return hidden, cached
 
-    def _forward_locked(self, ids: np.ndarray, prefix: int, state: int,
-                        cache: StateCache | None) -> tuple[np.ndarray, int]:
+    def _forward_held(self, ids: np.ndarray, prefix: int, state: int,
+                      cache: StateCache | None) -> tuple[np.ndarray, int] | ClefError:
+        """``forward`` of checked ids under the lock already held, its error returned, not raised."""
+        from clef_gguf.errors import ClefError
+
+        if (hit := self._cached_prompt(ids, cache)) is not None:
+            return hit
+        try:
+            hidden, cached = self._run(self._plan(ids, prefix, state, cache), cache)
+        except ClefError as exc:
+            return exc
+        self._remember(ids, hidden, cache)
+        return hidden, cached
+
+    def _forward_each(self, prompts: list[tuple[np.ndarray, int, int]], cache: StateCache | None
+                      ) -> list[tuple[np.ndarray, int] | ClefError]:
+        """``forward`` for each prompt in turn, under one hold of the lock; errors in place."""
+        from clef_gguf.errors import ClefError
+
+        cache = usable(cache)
+        results: list[tuple[np.ndarray, int] | ClefError] = []
+        with self._lock:
+            for ids, prefix, state in prompts:
+                try:
+                    checked = self._checked(ids)
+                except ClefError as exc:
+                    results.append(exc)
+                    continue
+                results.append(self._forward_held(checked, prefix, state, cache))
+        return results
+
+    # ------------------------------------------------------------ the cache's keys and rules
+    @staticmethod
+    def _cached_prompt(ids: np.ndarray, cache: StateCache | None) -> tuple[np.ndarray, int] | None:
+        """The hidden states of a prompt seen before, and its token count (all of it cached)."""
+        if cache is None or (hit := cache.get(cache.key("prompt", ids))) is None:
+            return None
+        return hit.hidden.copy(), hit.n_tokens
+
+    @staticmethod
+    def _remember(ids: np.ndarray, hidden: np.ndarray, cache: StateCache | None) -> None:
+        """Keep a decoded prompt's hidden states, for the next time it comes."""
+        if cache is not None:
+            cache.put(cache.key("prompt", ids), Snapshot(len(ids), None, hidden.copy()))
+
+    def _knows_prefix(self, ids: np.ndarray, prefix: int) -> bool:
+        """Whether the kept prefix is this prompt's."""
+        return self._prefix is not None and self._prefix[0] == ids[:prefix].tobytes()
+
+    @staticmethod
+    def _joins(ids: np.ndarray, prefix: int, state: int, cache: StateCache | None,
+               claimed: set[bytes]) -> bool:
+        """Whether a prompt may be decoded beside prompts that ``claimed`` these keys: not where one
+        of them decodes the same prompt, or the same ``[prefix][state]`` not cached yet (it then
+        waits, to be restored from the cache after them, as one by one). Joining claims its keys."""
+        if cache is None:
+            return True
+        prompt_key = cache.key("prompt", ids)
+        state_key = cache.key("state", ids[:prefix + state]) if state else None
+        if prompt_key in claimed or (state_key is not None and state_key in claimed
+                                     and state_key not in cache):
+            return False
+        claimed.update(k for k in (prompt_key, state_key) if k is not None)
+        return True
+
+    def _plan(self, ids: np.ndarray, prefix: int, state: int, cache: StateCache | None) -> Plan:
+        """Restore a cached ``[prefix][state]`` (then decode the rest), else the kept prefix (then
+        decode the state, to be cached, and the rest), else decode all three segments."""
+        head, n = prefix + state, len(ids)
+        rest = [(head, n)] if head < n else []
+        state_key = cache.key("state", ids[:head]) if cache is not None and state else None
+        known = cache.get(state_key) if cache is not None and state_key else None
+        if known is not None:
+            return Plan(ids, prefix, head, known, head, rest, None)
+        segments = [(prefix, head)] if state else []
+        if self._prefix is not None and self._prefix[0] == ids[:prefix].tobytes():
+            return Plan(ids, prefix, head, self._prefix[1], prefix, segments + rest, state_key)
+        return Plan(ids, prefix, head, None, 0, [(0, prefix), *segments, *rest], state_key)
+
+    def _keepable(self, cache: StateCache, state_bytes: int, n_tokens: int) -> bool:
+        """Whether a ``[prefix][state]`` snapshot of this size fits the cache at all."""
+        return state_bytes + n_tokens * self.n_embd * 4 <= cache.max_bytes
+
+    @staticmethod
+    def _keep_state(cache: StateCache, key: bytes | None, n_tokens: int, kept: Any, hidden: np.ndarray) -> None:
+        """Keep the ``[prefix][state]`` snapshot a plan's ``state_key`` names."""
+        if key is not None:
+            cache.put(key, Snapshot(n_tokens, kept, hidden))
+
+    def _run(self, plan: Plan, cache: StateCache | None) -> tuple[np.ndarray, int]:
+        """Carry ``plan`` out on one sequence: ``(hidden [T, n_embd], cached_tokens)``."""
         import numpy as np
 
-        head = prefix + state
-        state_key = cache.key("state", ids[:head]) if cache is not None and state else None
-        known = cache.get(state_key) if state_key else None
-        if known is not None:
-            seq = self._resume(known.seq_state)
-            parts, cached = [known.hidden], head
-        else:
-            key = ids[:prefix].tobytes()
-            if self._prefix is not None and self._prefix[0] == key:
-                seq = self._resume(self._prefix[1].seq_state)
-                parts, cached = [self._prefix[1].hidden], prefix
-            else:
-                seq = self._begin()
-                parts, cached = [self._append(seq, ids[:prefix], 0)], 0
-                self._prefix = (key, Snapshot(prefix, self._keep(seq, self._kept_bytes(seq)), parts[0]))
-            if state:
-                parts.append(self._append(seq, ids[prefix:head], prefix))
+        ids = plan.ids
+        seq = self._begin() if plan.start is None else self._resume(plan.start.seq_state)
+        parts: list[np.ndarray] = [] if plan.start is None else [plan.start.hidden]
+        for i, (begin, end) in enumerate(plan.segments):
+            parts.append(self._append(seq, ids[begin:end], begin))
+            if i == 0 and plan.keeps_prefix:
+                self._prefix = (ids[:end].tobytes(),
+                                Snapshot(end, self._keep(seq, self._kept_bytes(seq)), parts[0]))
+            if end == plan.head and plan.state_key is not None and cache is not None \
+                    and begin == plan.prefix:
                 size = self._kept_bytes(seq)
-                if state_key and size + head * self.n_embd * 4 <= cache.max_bytes:
-                    cache.put(state_key, Snapshot(head, self._keep(seq, size), np.concatenate(parts)))
-        if head < len(ids):
-            parts.append(self._append(seq, ids[head:], head))
-        return np.concatenate(parts), cached
+                if self._keepable(cache, size, plan.head):
+                    self._keep_state(cache, plan.state_key, plan.head, self._keep(seq, size),
+                                     np.concatenate(parts))
+        return np.concatenate(parts), plan.cached

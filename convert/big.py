@@ -85,6 +85,13 @@ class _Item:
     qtype: gguf.GGMLQuantizationType | None = None
     layout: tuple = ()
 
+    @property
+    def stored(self) -> tuple[str, gguf.GGMLQuantizationType]:
+        """(GGUF name, tensor type) of a tensor the file holds."""
+        if self.gguf_name is None or self.qtype is None:
+            raise ConversionError(f"{self.hf_name} is drawn and dropped: the GGUF does not hold it")
+        return self.gguf_name, self.qtype
+
 
 def plan(p: dict, outtype: str, tok) -> tuple[dict, tm.Dims, list[_Item]]:
     """(text config, dims, every tensor of convert.tiny's list in its draw order, mapped)."""
@@ -129,7 +136,7 @@ class _RowBlocks:
         n_rows, n_cols = self.item.shape
         for start in range(0, n_rows, self.rows):
             block = torch.randn((min(self.rows, n_rows - start), n_cols), generator=self.gen) * self.scale
-            _encode(block.to(torch.bfloat16), self.item.qtype).tofile(fh)
+            _encode(block.to(torch.bfloat16), self.item.stored[1]).tofile(fh)
 
 
 def _payloads(items: list[_Item], d: tm.Dims, gen: torch.Generator):
@@ -141,7 +148,7 @@ def _payloads(items: list[_Item], d: tm.Dims, gen: torch.Generator):
         values = tiny._init(item.shape, item.rule, gen).to(torch.bfloat16)
         if item.gguf_name is None:
             continue  # drawn only to keep the generator in step with build_release
-        yield _encode(tm.apply_edits(values.to(torch.float32), item.edits, d), item.qtype)
+        yield _encode(tm.apply_edits(values.to(torch.float32), item.edits, d), item.stored[1])
 
 
 def write_random_tower(path, *, preset: str = "flash9b", outtype: str = "bf16", seed: int = 0,
@@ -173,7 +180,8 @@ def write_random_tower(path, *, preset: str = "flash9b", outtype: str = "bf16", 
     written = [item for item in items if item.gguf_name is not None]
     for item in written:
         shape, dtype, nbytes = item.layout
-        writer.add_tensor_info(item.gguf_name, shape, dtype, nbytes, raw_dtype=item.qtype)
+        gguf_name, qtype = item.stored
+        writer.add_tensor_info(gguf_name, shape, dtype, nbytes, raw_dtype=qtype)
     start = time.perf_counter()
     stream_gguf(writer, Path(path), _payloads(items, d, torch.Generator().manual_seed(seed)))
     return {"tensors": len(written), "values": sum(math.prod(i.shape) for i in written),

@@ -54,7 +54,7 @@ def read_vocab(tokenizer_json: Path, n_vocab: int, tokenizer_config: dict | None
     if model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
         raise ConversionError(f"{tokenizer_json}: expected a BPE tokenizer with a vocab, "
                               f"got model type {model.get('type')!r}")
-    by_id: dict[int, tuple[str, int]] = {i: (t, gguf.TokenType.NORMAL) for t, i in model["vocab"].items()}
+    by_id: dict[int, tuple[str, gguf.TokenType]] = {i: (t, gguf.TokenType.NORMAL) for t, i in model["vocab"].items()}
     for added in spec.get("added_tokens", []):
         kind = (gguf.TokenType.CONTROL if added.get("special") or _looks_special(added["content"])
                 else gguf.TokenType.USER_DEFINED)

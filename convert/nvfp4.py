@@ -101,8 +101,9 @@ def _shared(targets: Iterable[Target], scale_of) -> Iterator[tuple[Target, torch
 class _Reader:
     """Tensors of a checkpoint by name, each file opened once."""
 
-    def __init__(self, stack: contextlib.ExitStack, found: dict):
-        self.found, self.stack, self.handles = found, stack, {}
+    def __init__(self, stack: contextlib.ExitStack, found: dict[str, tuple[Path, list[int], str]]) -> None:
+        self.found, self.stack = found, stack
+        self.handles: dict[Path, safe_open] = {}
 
     def tensor(self, name: str) -> torch.Tensor:
         path = self.found[name][0]

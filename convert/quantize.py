@@ -253,14 +253,15 @@ def _child(spec: dict) -> int:
         p.output_tensor_type = spec["output_type"]
     if spec["token_embedding_type"] is not None:
         p.token_embedding_type = spec["token_embedding_type"]
-    keep = []  # the arrays the C side points into must outlive the call
+    keep: list[object] = []  # the arrays the C side points into must outlive the call
     if spec["imatrix"]:
         m = im.read(spec["imatrix"])
         arr = (ll.llama_model_imatrix_data * (len(m.entries) + 1))()  # zeroed: the terminator
         for i, (tname, values) in enumerate(m.entries.items()):
             values = np.ascontiguousarray(values, dtype=np.float32)
-            keep += [values, tname.encode()]
-            arr[i].name, arr[i].size = keep[-1], values.size
+            name = tname.encode()
+            keep += [values, name]
+            arr[i].name, arr[i].size = name, values.size
             arr[i].data = values.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
         p.imatrix = arr
         # The same provenance keys llama-quantize writes (tools/quantize/quantize.cpp).

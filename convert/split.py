@@ -47,7 +47,7 @@ renumbering of ``layers``; nothing is multiplied into a weight. Undo: θ = ln(s)
 (s = 100 means θ >= ln 100; ln 100 gives the same multiplier), θg = ln(s / (1 - s)); a saturated
 s = 1 or 0 (|θg| > ~17 in f32) becomes ±40, whose sigmoid is again 1 or 0.
 
-Sources (via the code-search index; commits are the stored versions):
+Sources (upstream files at the commits named; the layout they define is what this undoes):
   * ggml-org/llama.cpp conversion/clef.py @ ff15e5724b91673b846f43fa1ebe71ee6a68ba0b: ClefModel keys
     (add_decision_*, add_layer_norm_eps(1e-5)), ``joint_head.`` prefix, +R renumbering, q/k/v chunking,
     the folds, scales order (prior, joint, gate). Its opening matches the copy at docs.rs
@@ -118,7 +118,8 @@ TOP_TABLE = (
 )
 # Per block: (module under evidence_layers.{i}. / layers.{i}., module under dec.blk.{b}., params,
 # transform). "qkv" joins the three ``<module>_{q,k,v}`` tensors into torch's packed in_proj.
-ROUTING_TABLE = (
+BlockTable = tuple[tuple[str, str, tuple[str, ...], str], ...]
+ROUTING_TABLE: BlockTable = (
     ("query_norm", "cross_attn_norm", WB, "copy"),
     ("memory_norm", "cross_attn_norm_kv", WB, "copy"),
     ("attention.in_proj", "cross_attn", WB, "qkv"),
@@ -127,7 +128,7 @@ ROUTING_TABLE = (
     ("feedforward.0", "ffn_up", WB, "copy"),
     ("feedforward.3", "ffn_down", WB, "copy"),
 )
-DECODER_TABLE = (
+DECODER_TABLE: BlockTable = (
     ("norm1", "attn_norm", WB, "copy"),
     ("self_attn.in_proj", "attn", WB, "qkv"),
     ("self_attn.out_proj", "attn_o", WB, "copy"),

@@ -250,7 +250,8 @@ def _write_weights(out: Path, specs: list[tuple], shards: int, seed: int) -> lis
     """Write bf16 safetensors, sharded by size with an index when ``shards > 1``."""
     gen = torch.Generator().manual_seed(seed)
     sizes = [math.prod(shape) * 2 for _, shape, _ in specs]
-    total, bounds, acc = sum(sizes), [], 0
+    total, acc = sum(sizes), 0
+    bounds: list[int] = []
     target = total / max(1, shards)
     for k, size in enumerate(sizes):  # cut points where the running size crosses a multiple
         acc += size

@@ -160,9 +160,19 @@ class Family:
         return (self.head_source, *self.tower_sources, *self.other_sources)
 
     @property
+    def head_files(self) -> dict[str, str]:
+        """Head role (head_weights, head_config, tokenizer) -> its file name in ``head_source``."""
+        return {k: f for k in HEAD_KEYS if (f := self.head_source.files[k].file) is not None}
+
+    @property
+    def checkpoints(self) -> tuple[tuple[Source, Checkpoint], ...]:
+        """(source, checkpoint) of whole checkpoint directories (the nvfp4 backend), pulled by name only."""
+        return tuple((s, s.checkpoint) for s in self.other_sources if s.checkpoint is not None)
+
+    @property
     def checkpoint_sources(self) -> tuple[Source, ...]:
         """Sources of whole checkpoint directories (the nvfp4 backend), pulled by name only."""
-        return tuple(s for s in self.other_sources if s.checkpoint is not None)
+        return tuple(s for s, _ in self.checkpoints)
 
     def quants(self) -> list[str]:
         """GGUF quant types some tower source offers, best quality first (what ``auto`` picks from)."""
@@ -172,7 +182,7 @@ class Family:
 
     def checkpoint_quants(self) -> list[str]:
         """The nvfp4 schemes a name can ask for (``clef-flash:NVFP4A16``), in catalog order."""
-        return list(dict.fromkeys(s.checkpoint.quant for s in self.checkpoint_sources))
+        return list(dict.fromkeys(ck.quant for _, ck in self.checkpoints))
 
     def source(self, alias: str) -> Source:
         for src in self.sources:
@@ -336,6 +346,8 @@ def _source(sid: str, raw: dict, layout: dict | None = None) -> Source:
              for key, f in raw.get("files", {}).items()}
     if role == "head" and set(files) != set(HEAD_KEYS):
         raise KeyError(f"source {sid}: a head source lists exactly {', '.join(HEAD_KEYS)}")
+    if role == "head" and any(f.file is None for f in files.values()):
+        raise KeyError(f"source {sid}: a head source names each of its files")
     return Source(id=sid, family=raw["family"], alias=raw["alias"].lower(), role=role, repo=raw["repo"],
                   revision=raw.get("revision"), files=files, file_pattern=raw.get("file_pattern"),
                   evidence=raw.get("evidence", ""), checkpoint=checkpoint)

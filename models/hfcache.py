@@ -8,13 +8,7 @@ Verification: a file is checked against the catalog's sha256 where it knows one,
 Hub's LFS sha256, which is the cache blob's name. A mismatch deletes the snapshot link and the blob
 (the next pull downloads it afresh) and raises ``CorruptModel``. Hashing a 6 GB tower takes seconds,
 so a checked blob is stamped (path, size, mtime_ns -> sha256) in ``$HF_HOME/clef-gguf/verified.json``
-and re-hashed only when it changes.
-
-Pins: a source whose catalog entry has no revision (a community repo that publishes none) is pinned
-at its first pull: the commit main pointed to and each pulled file's sha256 go to
-``$HF_HOME/clef-gguf/pins.json``. Later downloads use that commit and those hashes; a pull that
-finds main moved or a file changed raises ``PinMismatch`` until ``clef-gguf pull --update``
-re-pins.
+and re-hashed only when it changes. The pins of first pulls live beside the stamps (``pins``).
 """
 
 from __future__ import annotations
@@ -22,24 +16,16 @@ from __future__ import annotations
 import json
 import os
 import re
-from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 from filelock import FileLock, Timeout
 
-from clef_gguf.errors import CorruptModel, ModelLoadError
+from clef_gguf.errors import CorruptModel
 from clef_gguf.files import sha256_file
 
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
-PINS_FORMAT = "clef-gguf-pins/1"
-LOCK_TIMEOUT_S = 60
-
-
-class PinMismatch(ModelLoadError):
-    """The Hub no longer serves what a source's first pull pinned: main moved, or a file changed."""
-
-    code = "pin_mismatch"
 
 
 def _truthy(value: str | None) -> bool:
@@ -87,9 +73,10 @@ def _stamps_path() -> Path:
     return clef_home() / "verified.json"
 
 
-def _read_stamps() -> dict:
+def _read_stamps() -> dict[str, Any]:
     try:
-        return json.loads(_stamps_path().read_text())
+        stamps: dict[str, Any] = json.loads(_stamps_path().read_text())
+        return stamps
     except (OSError, ValueError):
         return {}
 
@@ -111,19 +98,19 @@ def _write_stamp(blob: Path, sha: str | None, checked: bool = False) -> None:
                 st = blob.stat()
                 stamps[str(blob)] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha,
                                      "checked": checked}
-            _replace_json(path, stamps)
+            replace_json(path, stamps)
     except (OSError, Timeout):  # a read-only HF_HOME or a stuck lock: verify again next time
         pass
 
 
-def _replace_json(path: Path, data: dict) -> None:
+def replace_json(path: Path, data: dict[str, Any]) -> None:
     # Write beside and rename: a reader sees the old file or the new one, never half of one.
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
     os.replace(tmp, path)
 
 
-def stamp(blob: Path) -> dict | None:
+def stamp(blob: Path) -> dict[str, Any] | None:
     """The stamp of an unchanged blob: {"sha256", "checked" (matched a reference hash), ...}, else None."""
     entry = _read_stamps().get(str(blob))
     try:
@@ -154,89 +141,3 @@ def verify(path: Path, expected: str | None, label: str) -> str:
 
 def _drop_stamp(blob: Path) -> None:
     _write_stamp(blob, None)
-
-
-# ---------------------------------------------------------------- pins of first pulls
-
-def pins_path() -> Path:
-    return clef_home() / "pins.json"
-
-
-def read_pins() -> dict[str, dict]:
-    """repo -> {"commit", "pinned_at", "files": {name: {"sha256", "size"}}}; {} before any pin.
-
-    An unreadable pins file is an error, not an empty one: forgetting the pins silently would
-    accept whatever the Hub serves next."""
-    path = pins_path()
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot read the pins of first pulls ({path}): {exc}. Fix the "
-                             "file, or delete it to pin again at the next pull",
-                             field="model") from None
-    if not (isinstance(data, dict) and data.get("format") == PINS_FORMAT
-            and isinstance(data.get("repos"), dict)):
-        raise ModelLoadError(f"{path} is not a {PINS_FORMAT} file. Fix it, or delete it to pin "
-                             "again at the next pull", field="model")
-    return data["repos"]
-
-
-def pin(repo: str) -> dict | None:
-    return read_pins().get(repo)
-
-
-def pinned_sha(entry: dict | None, filename: str) -> str | None:
-    return ((entry or {}).get("files", {}).get(filename) or {}).get("sha256")
-
-
-def moved_message(repo: str, entry: dict, commit: str, name: str) -> str:
-    return (f"{repo} has moved since its first pull: main is now commit {commit}, but clef-gguf "
-            f"pinned {entry['commit']} on {entry.get('pinned_at', '?')} ({pins_path()}). Nothing "
-            "was downloaded; what was pulled at the pin keeps working (decide and serve use the "
-            f"pinned commit). To accept the new revision: clef-gguf pull {name} --update")
-
-
-def changed_message(repo: str, filename: str, commit: str, pinned: str, now: str | None,
-                    name: str) -> str:
-    return (f"{repo} / {filename} at commit {commit} is now sha256 {now or 'unknown'}, but its "
-            f"first pull pinned sha256 {pinned} ({pins_path()}); not using it. To accept the new "
-            f"file: clef-gguf pull {name} --update")
-
-
-def record_pin(repo: str, commit: str, filename: str, sha: str, size: int, *, update: bool,
-               name: str) -> dict:
-    """Hold ``repo`` at ``commit`` and ``filename`` at ``sha``; returns the repo's pin.
-
-    Check-and-set under a file lock, atomically replaced: two first pulls of one repo that saw
-    main at different commits cannot both win, and one refuses with ``PinMismatch``. With
-    ``update`` a different commit replaces the pin (its file hashes belong to the old commit).
-    Unlike a stamp, a pin that cannot be written is an error: the pull would protect nothing."""
-    path = pins_path()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(path) + ".lock", timeout=LOCK_TIMEOUT_S):
-            repos = read_pins()
-            entry = repos.get(repo)
-            if entry is not None and entry.get("commit") != commit:
-                if not update:
-                    raise PinMismatch(moved_message(repo, entry, commit, name), field="model")
-                entry = None
-            if entry is None:
-                entry = {"commit": commit, "files": {},
-                         "pinned_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-            held = pinned_sha(entry, filename)
-            if held and held != sha and not update:
-                raise PinMismatch(changed_message(repo, filename, commit, held, sha, name),
-                                  field="model")
-            entry["files"][filename] = {"sha256": sha, "size": size}
-            repos[repo] = entry
-            _replace_json(path, {"format": PINS_FORMAT, "repos": repos})
-            return entry
-    except Timeout:
-        raise ModelLoadError(f"{path}.lock stayed locked for {LOCK_TIMEOUT_S} s (another pull?); "
-                             "try again", field="model") from None
-    except OSError as exc:
-        raise ModelLoadError(f"cannot record the pin of {repo} in {path}: {exc}",
-                             field="model") from None

@@ -15,7 +15,7 @@ import numpy as np
 from clef_gguf import Clef
 from clef_gguf.convert.release import convert_release
 from clef_gguf.convert.tiny import build_release
-from clef_gguf.models import device
+from clef_gguf.models import machine
 
 REQUESTS = [
     {"state": "Invoice INV-7 for $1,250.00 is 40 days past due.",
@@ -28,7 +28,7 @@ REQUESTS = [
 
 
 def main() -> int:
-    backends = device.llama_backends()
+    backends = machine.llama_backends()
     with tempfile.TemporaryDirectory() as tmp:
         model = convert_release(build_release(Path(tmp) / "rel"), Path(tmp) / "m", outtype="f32")
         runs = {}

@@ -19,6 +19,38 @@ import pytest
 
 TINY_SEED = 0
 
+# The fast inner loop is `python -m pytest -m "not slow"`; CI runs everything. These modules are slow
+# as a whole (each test starts processes, servers, browsers or Ray, or converts many files); single slow
+# tests elsewhere carry @pytest.mark.slow themselves.
+SLOW_MODULES = {
+    "tests/nvfp4/test_backend.py": "loads and serves NVFP4 checkpoints in fp32 through transformers",
+    "tests/convert/test_nvfp4_convert.py": "quantizes releases to NVFP4 and calibrates W4A4",
+    "tests/convert/test_gguf_tokenizer.py": "random text through two tokenizers",
+    "tests/bulk/test_bulk_resume.py": "kills and resumes batch subprocesses",
+    "tests/bulk/test_bulk_ray.py": "starts Ray and Ray Serve",
+    "tests/server/test_server_soak.py": "thousands of requests",
+    "tests/server/test_server_load.py": "64 clients, signals to real server processes",
+    "tests/server/test_server_fuzz.py": "schemathesis over every endpoint",
+    "tests/server/test_ui_browser.py": "headless Chromium against real servers",
+    "tests/tools/test_bench.py": "benchmarks in alternating rounds",
+    "tests/tools/test_bench_server.py": "a server under load",
+    "tests/tools/test_versus_server.py": "upstream-style server processes",
+    "tests/tools/test_parity.py": "transformers reference runs over every output type",
+    "tests/test_corrupt_files.py": "hundreds of damaged files loaded in child processes",
+    "tests/test_cli.py": "one Python process per command",
+    "tests/test_scripts.py": "the GPU check script in a subprocess",
+    "tests/models/test_hub_decide.py": "a fake Hub server and a CLI download",
+}
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    root = Path(config.rootpath)
+    stale = [name for name in SLOW_MODULES if not (root / name).exists()]
+    assert not stale, f"SLOW_MODULES names modules that do not exist: {stale}"
+    for item in items:
+        if Path(item.fspath).resolve().relative_to(root).as_posix() in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(scope="session")
 def tiny_release(tmp_path_factory) -> Path:

@@ -71,6 +71,7 @@ def test_strict_flag_refuses_what_is_otherwise_a_warning(tiny_model_dir):
     (b'{"state": "\\ud800", "questions": {"q": {"type": "noul"}}}', "invalid_value"),
     (b"[" * 50_000 + b"]" * 50_000, "invalid_json"),
     (b'\xff\xfe{"state": 1}', "invalid_json"),
+    (b'{"state": ' + b"7" * 5000 + b', "questions": {"q": {"type": "noul"}}}', "invalid_value"),
 ])
 def test_bad_json_is_a_clear_error_not_a_crash(tiny_model_dir, tmp_path, raw, code):
     path = tmp_path / "req.json"

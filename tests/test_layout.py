@@ -87,9 +87,9 @@ def test_no_import_cycles():
 
 
 def test_models_use_only_errors_files_and_argtypes_of_the_runtime():
-    allowed = {"clef_gguf.errors", "clef_gguf.files", "clef_gguf.argtypes"}
+    allowed = {"clef_gguf.errors", "clef_gguf.files", "clef_gguf.argtypes", "clef_gguf.limits"}
     # pull splits a native clef-arch GGUF on download (a function-level import, only then)
-    extra = {"clef_gguf.models.hub": {"clef_gguf.convert.split"}}
+    extra = {"clef_gguf.models.native": {"clef_gguf.convert.split"}}
     for name, deps in GRAPH.items():
         if name.startswith("clef_gguf.models"):
             bad = {d for d in deps if not d.startswith("clef_gguf.models")
@@ -101,8 +101,11 @@ def test_the_pipeline_imports_models_only_to_resolve_a_name_or_place_the_tower()
     for stage in PIPELINE:
         deps = {d for d in GRAPH[f"clef_gguf.{stage}"] if d.startswith("clef_gguf.models")}
         expected = {"runtime": {"clef_gguf.models.catalog", "clef_gguf.models.hub"},  # resolve a name
-                    "backends": {"clef_gguf.models.catalog", "clef_gguf.models.device"},  # place it
-                    "tower": {"clef_gguf.models.device"},  # the memory left for packed sequences
+                    "backends": {"clef_gguf.models.catalog", "clef_gguf.models.machine",
+                                 "clef_gguf.models.placement"},  # place it
+                    # the memory left for packed sequences
+                    "tower": {"clef_gguf.models.machine", "clef_gguf.models.placement"},
+                    "packing": {"clef_gguf.models.machine", "clef_gguf.models.placement"},
                     }.get(stage, set())
         assert deps <= expected, f"clef_gguf.{stage} imports {sorted(deps)}"
 

@@ -129,3 +129,26 @@ def test_file_type_name(tmp_path, table):
     w.write_tensors_to_file()
     w.close()
     assert lexical.file_type_name(lexical.open_gguf(tmp_path / "ft.gguf")) == "q4_k_m"
+
+
+class TableSource:
+    """A row source over a float32 table ``[vocab, H]``, counting the rows it dequantizes."""
+
+    tensor_name, type_name = "table", "F32"
+
+    def __init__(self, table: np.ndarray):
+        self.table, self.read = table, []
+        self.vocab_size, self.hidden_size = table.shape
+
+    def dequantize(self, ids: np.ndarray) -> np.ndarray:
+        self.read.extend(int(i) for i in ids)
+        return self.table[ids]
+
+
+def test_the_store_holds_any_row_source(table):
+    source = TableSource(table.astype(np.float32))
+    store = lexical.RowStore(source, max_bytes=2 * 4 * table.shape[1])
+    assert store.type_name == "F32" and store.capacity == 2
+    assert np.array_equal(store.rows(np.array([3, 5, 3])), source.table[[3, 5, 3]])
+    assert np.array_equal(store.rows(np.array([5])), source.table[[5]])
+    assert source.read == [3, 5]  # each row dequantized once, then served from the store

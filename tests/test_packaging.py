@@ -18,7 +18,8 @@ def test_wheel_layout(tmp_path):
     tops = {n.split("/")[0] for n in names}
     assert {t for t in tops if not t.endswith(".dist-info")} == {"clef_gguf"}  # no top-level `convert`
     for needed in ("clef_gguf/heads/joint.py", "clef_gguf/convert/hf_to_gguf.py",
-                   "clef_gguf/models/catalog.json", "clef_gguf/cli.py"):
+                   "clef_gguf/models/catalog.json", "clef_gguf/cli.py",
+                   "clef_gguf/server/static/index.html", "clef_gguf/server/static/app.js"):
         assert needed in names
     # every source module of every folder lands in the wheel (a sub-package missing from
     # pyproject's list would be left out silently)

@@ -225,6 +225,32 @@ def test_the_json_reader_refuses_what_json_would_take_silently(raw, field):
     assert info.value.field == field and info.value.status == 422 and info.value.message
 
 
+LONG = "9" * 5000  # past Python's 4,300-digit int/str conversion limit
+
+
+@pytest.mark.parametrize("raw, field", [
+    ('{"state": %s, "questions": {"q": {"type": "noul"}}}' % LONG, "state"),
+    ('{"state": {"a": [1, -%s]}, "questions": {"q": {"type": "noul"}}}' % LONG, "state.a.1"),
+    ('[%s]' % LONG, "0"),
+])
+def test_a_number_past_the_digit_limit_is_refused_by_field(raw, field):
+    with pytest.raises(errors.InvalidValue) as info:
+        parse_json(raw)
+    assert info.value.field == field and info.value.status == 422
+    assert "5000 digits" in info.value.message and "4300" in info.value.message
+
+
+def test_a_long_number_within_the_limit_is_kept():
+    assert parse_json('{"n": %s}' % ("9" * 4300))["n"] == 10 ** 4300 - 1
+
+
+def test_a_python_int_past_the_digit_limit_is_refused_by_field():
+    with pytest.raises(errors.InvalidValue) as info:
+        parse_request({"state": {"n": 10 ** 5000}, "questions": {"q": {"type": "noul"}}})
+    assert info.value.field == "state.n" and "4300" in info.value.message
+    parse_request({"state": {"n": 10 ** 4299}, "questions": {"q": {"type": "noul"}}})  # at the limit
+
+
 def test_the_json_reader_keeps_numbers_and_order():
     value = parse_json('{"b": 1, "a": 1.0, "c": [1e16, -0.0]}')
     assert list(value) == ["b", "a", "c"] and type(value["b"]) is int and type(value["a"]) is float

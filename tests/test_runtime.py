@@ -141,7 +141,7 @@ def test_too_long_refused_or_truncated(clef):
 
 
 def test_bf16_head_runs_close_to_fp32(tiny_model_dir, clef):
-    with Clef.load(tiny_model_dir, max_length=2048, precision="bf16") as b:
+    with Clef.load(tiny_model_dir, max_length=2048, head_dtype="bf16") as b:
         pb = b.probabilities(REQUEST)
     p32 = clef.probabilities(REQUEST)
     assert max(np.abs(a - c).max() for a, c in zip(pb, p32)) < 0.05
@@ -204,8 +204,17 @@ def test_tower_with_another_architecture_is_refused(tiny_model_dir, tmp_path):
 
 
 def test_unknown_precision(tiny_model_dir):
-    with pytest.raises(errors.InvalidValue):
+    with pytest.raises(errors.InvalidSetting):
         Clef.load(tiny_model_dir, precision="fp8")
+
+
+def test_the_head_dtype_has_its_own_name_and_the_old_one_still_works(tiny_model_dir):
+    with pytest.raises(errors.InvalidSetting) as info:
+        Clef.load(tiny_model_dir, head_dtype="fp8")
+    assert info.value.field == "head_dtype"
+    with Clef.load(tiny_model_dir, max_length=512, precision="bf16") as clef:
+        assert clef.info["head_dtype"] == "bf16" and clef.head_dtype == torch.bfloat16
+        assert clef.info["precision"] == clef.info["quant"]  # the tower's format, as in the audit
 
 
 def test_a_mistyped_directory_is_not_sent_to_the_hub(tmp_path, monkeypatch):
@@ -222,7 +231,7 @@ def test_gpu_layers_on_a_cpu_only_build(tiny_model_dir):
         with Clef.load(tiny_model_dir, gpu_layers=asked, state_cache_mb=0) as clef:
             assert clef.info["gpu_layers"] == 0  # this build has no GPU backend: it runs on the CPU
             assert clef.decide(REQUEST)["answers"]
-    with pytest.raises(errors.InvalidValue) as info:
+    with pytest.raises(errors.InvalidSetting) as info:
         Clef.load(tiny_model_dir, gpu_layers=-2)
     assert info.value.field == "gpu_layers"
     assert backends.gpu_layers("all", tiny_model_dir / "tower-f32.gguf", 64, 16384) == -1
@@ -230,16 +239,16 @@ def test_gpu_layers_on_a_cpu_only_build(tiny_model_dir):
 
 def test_auto_gpu_layers_follow_the_device_policy(tiny_model_dir, monkeypatch):
     from clef_gguf import backends, tower
-    from clef_gguf.models import device
+    from clef_gguf.models import machine
 
-    box = device.DeviceProfile(64 << 30, 50 << 30, 16, "x86_64", frozenset({"avx2"}),
-                               (device.GPU(0, "RTX 4090", 24 << 30, 23 << 30),), True)
+    box = machine.DeviceProfile(64 << 30, 50 << 30, 16, "x86_64", frozenset({"avx2"}),
+                                (machine.GPU(0, "RTX 4090", 24 << 30, 23 << 30),), True)
     monkeypatch.setattr(tower, "gpu_offload", lambda: True)
-    monkeypatch.setattr(device, "probe", lambda **_: box)
+    monkeypatch.setattr(machine, "probe", lambda **_: box)
     path = tiny_model_dir / "tower-f32.gguf"
     assert backends.gpu_layers("auto", path, 64, 16384) == -1
-    small = device.DeviceProfile(**{**box.__dict__, "gpus": (device.GPU(0, "tiny", 1 << 30, 1 << 29),)})
-    monkeypatch.setattr(device, "probe", lambda **_: small)
+    small = machine.DeviceProfile(**{**box.__dict__, "gpus": (machine.GPU(0, "tiny", 1 << 30, 1 << 29),)})
+    monkeypatch.setattr(machine, "probe", lambda **_: small)
     assert backends.gpu_layers("auto", path, 64, 16384) == 0  # KV for 16k tokens does not fit
     monkeypatch.setattr(tower, "gpu_offload", lambda: False)
     assert backends.gpu_layers("auto", path, 64, 16384) == 0
@@ -250,7 +259,7 @@ def test_head_threads_default_to_the_towers(tiny_model_dir):
         assert clef.info["head_threads"] == torch.get_num_threads() == 1
     with Clef.load(tiny_model_dir, threads=1, head_threads=2) as clef:
         assert clef.info["head_threads"] == 2
-    with pytest.raises(errors.InvalidValue):
+    with pytest.raises(errors.InvalidSetting):
         Clef.load(tiny_model_dir, head_threads=0)
 
 

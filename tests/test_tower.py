@@ -7,10 +7,11 @@ import sys
 import numpy as np
 import pytest
 
-from clef_gguf import errors, tower as tower_mod
+from clef_gguf import errors, llama, packing
 from clef_gguf.files import from_directory
 from clef_gguf.statecache import StateCache
 from clef_gguf.tower import Tower
+from clef_gguf.towers import LanguageTower
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +27,7 @@ def ids():
 def test_hidden_states_shape_and_determinism(gguf_path, ids):
     with Tower.load(gguf_path, n_ctx=1024, threads=2) as t:
         assert t.uses_nextn  # the staging API is bound: no lm_head over the prompt
+        assert isinstance(t, LanguageTower) and t.details() == {"attention": "exact-f32"}
         h1 = t.hidden_states(ids[:50])
         h2 = t.hidden_states(ids[:50])
         assert h1.shape == (50, t.n_embd) and h1.dtype == np.float32
@@ -53,7 +55,7 @@ def test_causal_prefix_is_unaffected_by_later_tokens(gguf_path, ids):
 def test_nextn_equals_embeddings_mode(gguf_path, ids, monkeypatch):
     with Tower.load(gguf_path, n_ctx=1024, threads=2) as t:
         nextn = t.hidden_states(ids[:200])
-    monkeypatch.setattr(tower_mod, "_set_nextn", None)  # force the fallback path
+    monkeypatch.setattr(llama, "_set_nextn", None)  # force the fallback path
     with Tower.load(gguf_path, n_ctx=1024, threads=2) as t:
         assert not t.uses_nextn
         embd = t.hidden_states(ids[:200])
@@ -88,10 +90,43 @@ def test_corrupt_gguf_is_a_clean_error_in_a_fresh_process(gguf_path, tmp_path):
     assert err["code"] == "corrupt_model" and "could not load" in err["message"]
 
 
+def test_the_attention_setting_follows_the_weights(gguf_path, tiny_model_dir_factory):
+    """f32 weights on the CPU get the exact setting (f32 K/V, no flash attention), quantized ones
+    llama.cpp's default; a load option names either; the packed context gets the single one's."""
+    q8 = from_directory(tiny_model_dir_factory("q8_0")).tower
+    with Tower.load(gguf_path, n_ctx=1024, threads=1) as exact, Tower.load(q8, n_ctx=1024, threads=1) as quant:
+        assert exact.attention == "exact-f32" and quant.attention == "default"
+        assert exact._ctx.attention == llama.ATTENTION["exact-f32"]
+        assert exact._ctx.attention.kv_type == llama.ll.GGML_TYPE_F32
+        assert exact._ctx.attention.flash_attn == llama.ll.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        # f32 K/V cells: the saved state of the same prompt is larger than llama.cpp's f16 one
+        ids = np.arange(200, dtype=np.int32)
+        exact.hidden_states(ids)
+        quant.hidden_states(ids)
+        assert exact._ctx.state_size(0) > quant._ctx.state_size(0)
+        exact.forward_many([(ids, 36, 100), (ids[:150], 36, 50)], None, pack=2)
+        assert exact._packed is not None and exact._packed[0].attention is exact._ctx.attention
+    with Tower.load(gguf_path, n_ctx=256, threads=1, attention="default") as plain:
+        assert plain.attention == "default" and plain.details() == {"attention": "default"}
+    with pytest.raises(errors.InvalidSetting) as info:
+        Tower.load(gguf_path, attention="fast")
+    assert info.value.field == "attention"
+
+
+def test_layer_states_leave_the_final_states_alone(gguf_path, ids):
+    with Tower.load(gguf_path, n_ctx=1024, threads=2, n_batch=128) as t:
+        want, _ = t.forward(ids[:400], 36, 200)
+        final, layers = t.layer_states(ids[:400], 36, 200)
+        assert np.array_equal(final, want)
+        assert len(layers) == t._model.n_layer - 1 and all(h.shape == want.shape for h in layers)
+        assert not any(np.array_equal(h, want) for h in layers)
+        assert np.array_equal(t.forward(ids[:400], 36, 200)[0], want)  # staging is off again
+
+
 @pytest.mark.parametrize("threads", [0, -3, 1.5])
 def test_threads_must_be_positive(tiny_model_dir, threads):
-    with pytest.raises(errors.InvalidValue) as info:
-        tower_mod.Tower.load(tiny_model_dir / "tower-f32.gguf", threads=threads)
+    with pytest.raises(errors.InvalidSetting) as info:
+        Tower.load(tiny_model_dir / "tower-f32.gguf", threads=threads)
     assert info.value.field == "threads"
 
 
@@ -165,20 +200,22 @@ def test_a_failed_packed_decode_falls_back_to_one_by_one(gguf_path, packed_promp
         calls.append(len(group))
         raise errors.InferenceError("llama_decode failed with code -3")
 
-    monkeypatch.setattr(tower_mod._Batch, "fill", failing)
+    monkeypatch.setattr(llama._Batch, "fill", failing)
     with Tower.load(gguf_path, n_ctx=1024, threads=2, n_batch=128) as t:
         got = t.forward_many(packed_prompts, None, pack=4)
     assert calls  # the packed path ran, failed, and every prompt was decoded alone
     assert all(np.array_equal(h, ref[0]) for (h, _), ref in zip(got, want))
 
 
-def test_packed_and_single_paths_share_the_state_cache(gguf_path, packed_prompts):
+@pytest.mark.parametrize("attention", ["exact-f32", "default"])
+def test_packed_and_single_paths_share_the_state_cache(gguf_path, packed_prompts, attention):
     """A state decoded packed restores in ``forward`` and the other way round, with the answers of
-    a fresh decode: the packed context's state layout is converted, not a second kind of entry."""
+    a fresh decode: the packed context's state layout is converted, not a second kind of entry.
+    Under either attention setting: a saved state carries its V layout and K/V type."""
     prefix, state = packed_prompts[5][0][:PREFIX + 333], packed_prompts[4][0][:PREFIX + 150]
     tail = np.arange(40, 80, dtype=np.int32)
     later = [(np.concatenate([prefix, tail]), PREFIX, 333), (np.concatenate([state, tail]), PREFIX, 150)]
-    with Tower.load(gguf_path, n_ctx=1024, threads=2, n_batch=128) as t:
+    with Tower.load(gguf_path, n_ctx=1024, threads=2, n_batch=128, attention=attention) as t:
         fresh = [t.forward(*p, None)[0] for p in later]
         cache = StateCache(64 << 20)
         t.forward_many(packed_prompts[4:6], cache, pack=2)  # both states decoded packed
@@ -190,22 +227,10 @@ def test_packed_and_single_paths_share_the_state_cache(gguf_path, packed_prompts
         assert cached == PREFIX + 150 and np.array_equal(h, fresh[1])
 
 
-def test_state_layouts_round_trip_and_refuse_others():
-    one = np.concatenate([tower_mod._u32(0xAF143CD8, 0, 1, 3), np.arange(40, dtype=np.uint8)])
-    recurrent = 16
-    four = tower_mod._to_streams(one, 4)
-    assert four[8:12].view("<u4")[0] == 4 and four.size == one.size + 12
-    assert np.array_equal(tower_mod._to_one_stream(four, 4, 3, recurrent), one)
-    with pytest.raises(errors.InferenceError):
-        tower_mod._to_streams(four, 2)  # not a one-stream state
-    with pytest.raises(errors.InferenceError):
-        tower_mod._to_one_stream(four, 4, 1, recurrent)  # the cells are not in stream 1
-
-
 def test_packing_policy(gguf_path, packed_prompts, monkeypatch):
     """The policy's choice: CPU packs prompts up to its max_tokens, longer ones run alone; a GPU
     tower does not pack (unmeasured); a packed context that does not fit memory is not made."""
-    cpu, gpu = tower_mod.PACKING["cpu"], tower_mod.PACKING["gpu"]
+    cpu, gpu = packing.PACKING["cpu"], packing.PACKING["gpu"]
     with Tower.load(gguf_path, n_ctx=cpu.max_tokens + 256, threads=2, n_batch=128) as t:
         assert t.pack_rule is cpu and t.pack_size(cpu.max_tokens) == cpu.pack > 1
         assert t.pack_size(cpu.max_tokens + 1) == 1

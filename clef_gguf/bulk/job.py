@@ -124,11 +124,15 @@ def _compute(args: argparse.Namespace, pending, write, stopper: Stopper, ready) 
     if args.engine == "ray":
         from clef_gguf.bulk import ray_engine
 
+        def after_init() -> None:
+            stopper.install()
+            ready()
+
         threads = options.per_replica_threads(args.threads_per_replica, args.replicas)
         ray_engine.run(pending, write, load_kwargs=options.load_kwargs(args, threads),
                        address=args.ray_address, replicas=args.replicas, threads=threads,
                        window=args.window, truncate_state=args.truncate_state,
-                       after_init=lambda: (stopper.install(), ready()))
+                       after_init=after_init)
         return
     from clef_gguf.bulk.local import results
 

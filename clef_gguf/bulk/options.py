@@ -4,18 +4,14 @@
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
-
-def cores() -> int:
-    """The cores this process may use (its affinity, not the machine's count)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+from clef_gguf.cpus import available_cpus
 
 
 def per_replica_threads(asked: int | None, replicas: int) -> int:
     """``asked``, else this machine's cores shared out over the replicas."""
-    return asked or max(1, cores() // replicas)
+    return asked or max(1, available_cpus() // replicas)
 
 
 def _absolute(value: str | None) -> str | None:
@@ -31,7 +27,8 @@ def load_kwargs(args: argparse.Namespace, threads: int) -> dict:
     return {"model": _absolute(args.model), "gguf": _absolute(args.gguf),
             "head": _absolute(args.head), "head_config": _absolute(args.head_config),
             "tokenizer": _absolute(args.tokenizer), "threads": threads,
-            "max_length": args.max_length, "precision": args.precision,
+            "max_length": args.max_length, "head_dtype": args.head_dtype,
             "allow_download": not args.offline, "strict": args.strict,
             "state_cache_mb": args.state_cache_mb, "gpu_layers": args.gpu_layers,
-            "backend": getattr(args, "backend", "auto")}
+            "backend": getattr(args, "backend", "auto"),
+            "calibration": _absolute(getattr(args, "calibration", None))}

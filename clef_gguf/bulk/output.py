@@ -123,6 +123,8 @@ class Output:
         return {k: err for k, err in previous.items() if not (err and self.retry_errors)}
 
     def write(self, record: dict) -> None:
+        if self.journal is None:
+            raise RuntimeError("Output.write before Output.open")
         self.journal.write(record)
 
     def close(self, order: dict[str, int] | None = None) -> None:

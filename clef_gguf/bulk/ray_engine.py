@@ -19,8 +19,9 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from clef_gguf import errors
-from clef_gguf.bulk import local, options
+from clef_gguf.bulk import local
 from clef_gguf.bulk.deps import need
+from clef_gguf.cpus import available_cpus
 from clef_gguf.bulk.records import Record
 
 log = logging.getLogger("clef_gguf.bulk")
@@ -96,7 +97,7 @@ def _init(ray: Any, address: str | None, cpus_needed: int) -> None:
         return
     # "local": always a Ray of our own, never one another user of this machine started; as many
     # CPUs as the job asks for, so an oversubscribed job runs (slowly) rather than waits forever
-    cpus = max(options.cores(), cpus_needed)
+    cpus = max(available_cpus(), cpus_needed)
     # the private Ray's token is ours alone: Ray's notice about it is noise here
     logging.getLogger("ray._private.authentication").setLevel(logging.ERROR)
     ray.init(address="local", num_cpus=cpus, include_dashboard=False,
@@ -112,12 +113,13 @@ def _check_resources(ray: Any, address: str | None, replicas: int, threads: int)
 
 
 def _clef_error(exc: BaseException) -> errors.ClefError | None:
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, errors.ClefError):
-            return _plain(exc)
-        exc = getattr(exc, "cause", None) or exc.__cause__
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        if isinstance(link, errors.ClefError):
+            return _plain(link)
+        link = getattr(link, "cause", None) or link.__cause__
     return None
 
 

@@ -26,6 +26,7 @@ from typing import Any
 from clef_gguf import errors
 from clef_gguf.bulk import options
 from clef_gguf.bulk.deps import need
+from clef_gguf.cpus import available_cpus
 
 log = logging.getLogger("clef_gguf.server")
 APP_NAME = "clef"
@@ -83,7 +84,7 @@ def run(args: argparse.Namespace, app_factory: Callable) -> int:
     threads = options.per_replica_threads(args.threads, args.replicas)
     app_kwargs = {"api_key": args.api_key, "queue_size": args.queue_size,
                   "max_body_bytes": args.max_body_bytes, "max_batch": args.max_batch,
-                  "tokenize_workers": args.tokenize_workers}
+                  "tokenize_workers": args.tokenize_workers, "ui": not args.no_ui}
     address = os.environ.get("RAY_ADDRESS")
     for name in ("ray", "ray.serve"):
         logging.getLogger(name).setLevel(logging.WARNING)
@@ -91,7 +92,7 @@ def run(args: argparse.Namespace, app_factory: Callable) -> int:
         ray.init(address=address, logging_level=logging.WARNING)
     else:
         logging.getLogger("ray._private.authentication").setLevel(logging.ERROR)
-        ray.init(address="local", num_cpus=max(options.cores(), args.replicas * threads),
+        ray.init(address="local", num_cpus=max(available_cpus(), args.replicas * threads),
                  include_dashboard=False, logging_level=logging.WARNING)
     stop = threading.Event()
     received: list[int] = []

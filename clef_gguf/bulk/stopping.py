@@ -11,9 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from types import FrameType
+from typing import Any
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# What signal.signal takes and returns: a function, SIG_DFL/SIG_IGN, or None (a handler not set from
+# Python).
+Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
 
 class Interrupted(BaseException):
@@ -32,7 +37,7 @@ class Stopper:
     def __init__(self) -> None:
         self.received: int | None = None
         self._writing = False
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Handler] = {}
 
     def install(self) -> None:
         """(Re)install the handlers; Ray's ``init`` replaces SIGTERM's with its own."""
@@ -45,7 +50,7 @@ class Stopper:
             signal.signal(sig, handler)
         self._previous.clear()
 
-    def _handle(self, signum: int, _frame) -> None:
+    def _handle(self, signum: int, _frame: FrameType | None) -> None:
         self.received = signum
         self.restore()
         if not self._writing:
@@ -66,5 +71,5 @@ class Stopper:
         self.install()
         return self
 
-    def __exit__(self, *_exc) -> None:
+    def __exit__(self, *_exc: object) -> None:
         self.restore()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -40,7 +41,7 @@ def _read_json(path: Path) -> dict:
     return data
 
 
-def parse_quantization(config: dict, path: Path):
+def parse_quantization(config: dict, path: Path) -> Any:  # compressed-tensors' QuantizationConfig (untyped)
     """The ``quantization_config``, validated by compressed-tensors itself (the format's owner)."""
     try:
         from compressed_tensors.quantization import QuantizationConfig
@@ -62,7 +63,7 @@ def parse_quantization(config: dict, path: Path):
 class Checkpoint:
     """``config.json`` + ``model*.safetensors`` of one NVFP4 checkpoint directory."""
 
-    def __init__(self, config_path: str | Path):
+    def __init__(self, config_path: str | Path) -> None:
         self.config_path = Path(config_path)
         self.directory = self.config_path.parent
         self.config = _read_json(self.config_path)
@@ -73,10 +74,11 @@ class Checkpoint:
             raise errors.CorruptModel(f"{self.config_path}: not a Qwen3.5 text model", field="tower")
         self.text_config = text
         self._where = self._index()
-        self.prefix = next((p for p in TEXT_PREFIXES if f"{p}norm.weight" in self._where), None)
-        if self.prefix is None:
+        prefix = next((p for p in TEXT_PREFIXES if f"{p}norm.weight" in self._where), None)
+        if prefix is None:
             raise errors.CorruptModel(f"{self.directory} holds no Qwen3.5 text model "
                                       "(no model.language_model.norm.weight)", field="tower")
+        self.prefix: str = prefix
         self.quantized = sorted(n[:-len(".weight_packed")] for n in self._where
                                 if n.startswith(self.prefix) and n.endswith(".weight_packed"))
         if not self.quantized:

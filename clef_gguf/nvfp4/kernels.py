@@ -11,6 +11,7 @@ those of W4A16.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +33,7 @@ def _capability_major(device: torch.device) -> int:
     return torch.cuda.get_device_capability(device)[0]
 
 
-def native_fp4(device) -> bool:
+def native_fp4(device: torch.device | str) -> bool:
     """True on a Blackwell CUDA device with a torch that has FP4 tensors and ``_scaled_mm``."""
     device = torch.device(device)
     if device.type != "cuda" or not (hasattr(torch, "float4_e2m1fn_x2") and hasattr(torch, "_scaled_mm")):
@@ -42,7 +43,7 @@ def native_fp4(device) -> bool:
     return _capability_major(device) in FP4_MAJORS
 
 
-def kernel_name(device, activations: bool) -> str:
+def kernel_name(device: torch.device | str, activations: bool) -> str:
     """What NVFP4Linear runs on ``device``, in words (for one log line)."""
     return NATIVE if activations and native_fp4(device) else FALLBACK[bool(activations)]
 
@@ -75,7 +76,13 @@ class NVFP4Linear(torch.nn.Module):
     """y = x W^T (+ bias) with W stored as compressed-tensors NVFP4 buffers; ``activations`` makes it
     W4A4 (activations quantized with the static ``input_global_scale``), else W4A16."""
 
-    def __init__(self, in_features: int, out_features: int, *, activations: bool, bias: bool = False):
+    # Buffers (registered in __init__), typed here: Module.__getattr__ says only "Tensor or Module".
+    weight_packed: torch.Tensor
+    weight_scale: torch.Tensor
+    weight_global_scale: torch.Tensor
+    input_global_scale: torch.Tensor  # W4A4 layers only
+
+    def __init__(self, in_features: int, out_features: int, *, activations: bool, bias: bool = False) -> None:
         super().__init__()
         if in_features % GROUP:
             raise ValueError(f"NVFP4Linear needs in_features to be a multiple of {GROUP}, got {in_features}")
@@ -103,10 +110,12 @@ class NVFP4Linear(torch.nn.Module):
             layer.bias = torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
         return layer
 
-    def _apply(self, fn, recurse=True):
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> NVFP4Linear:
         # Module.to(dtype) casts every floating tensor, fp8 scales and fp32 global scales included;
         # those keep their dtype and only follow the device.
-        fixed = {name: self._buffers.pop(name) for name in FORMAT_BUFFERS if name in self._buffers}
+        fixed = {name: tensor for name in FORMAT_BUFFERS if (tensor := self._buffers.get(name)) is not None}
+        for name in fixed:
+            del self._buffers[name]
         try:
             super()._apply(fn, recurse)
         finally:

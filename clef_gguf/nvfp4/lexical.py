@@ -9,14 +9,14 @@ from __future__ import annotations
 import numpy as np
 
 from clef_gguf.errors import CorruptModel
-from clef_gguf.lexical import CACHE_BYTES, LexicalRows
+from clef_gguf.lexical import CACHE_BYTES, RowStore
 from clef_gguf.nvfp4.checkpoint import Checkpoint
 
 
-class CheckpointRows(LexicalRows):
-    """``rows(token_ids) -> float32 [n, H]`` read from the checkpoint's ``lm_head.weight``."""
+class CheckpointSource:
+    """The rows of a checkpoint's ``lm_head.weight`` (torch order: ``[vocab, hidden]``)."""
 
-    def __init__(self, checkpoint: Checkpoint, max_bytes: int = CACHE_BYTES):
+    def __init__(self, checkpoint: Checkpoint):
         self.tensor_name = checkpoint.lm_head
         shape = checkpoint.shape(self.tensor_name)
         if len(shape) != 2:
@@ -27,12 +27,19 @@ class CheckpointRows(LexicalRows):
                                "precision", field="tower")
         self._checkpoint = checkpoint
         self._dtype = checkpoint.dtype(self.tensor_name)
-        self._init_store(shape[1], shape[0], max_bytes)  # torch order: [vocab, H]
+        self.vocab_size, self.hidden_size = int(shape[0]), int(shape[1])
 
     @property
     def type_name(self) -> str:
         return self._dtype
 
-    def _dequantize(self, ids: np.ndarray) -> np.ndarray:
+    def dequantize(self, ids: np.ndarray) -> np.ndarray:
         rows = self._checkpoint.rows(self.tensor_name, [int(i) for i in ids])
         return rows.float().numpy().reshape(len(ids), self.hidden_size)
+
+
+class CheckpointRows(RowStore):
+    """``rows(token_ids) -> float32 [n, H]`` read from the checkpoint's ``lm_head.weight``."""
+
+    def __init__(self, checkpoint: Checkpoint, max_bytes: int = CACHE_BYTES):
+        super().__init__(CheckpointSource(checkpoint), max_bytes)

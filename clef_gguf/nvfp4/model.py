@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import copy
 import logging
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -19,13 +21,17 @@ from clef_gguf import errors
 from clef_gguf.nvfp4.checkpoint import ACTIVATION_SCALE, PACKED, Checkpoint
 from clef_gguf.nvfp4.kernels import NVFP4Linear
 
+if TYPE_CHECKING:
+    from transformers.cache_utils import DynamicCache
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+
 EMBED = "embed_tokens.weight"
 # transformers warns once per optional GDN kernel (causal-conv1d, flash-linear-attention) that its
 # PyTorch fallback is slower; the tower says once itself which kernels run and whether it is slow.
 logging.getLogger("transformers.integrations.hub_kernels").setLevel(logging.ERROR)
 
 
-def _transformers():
+def _transformers() -> tuple[ModuleType, ModuleType]:
     try:
         from transformers.models.qwen3_5 import configuration_qwen3_5, modeling_qwen3_5
     except ImportError:
@@ -34,7 +40,7 @@ def _transformers():
     return configuration_qwen3_5, modeling_qwen3_5
 
 
-def text_config(checkpoint: Checkpoint):
+def text_config(checkpoint: Checkpoint) -> Qwen3_5TextConfig:
     configs, _ = _transformers()
     raw = {k: v for k, v in checkpoint.text_config.items() if k != "quantization_config"}
     try:
@@ -55,7 +61,7 @@ class TextModel:
     """``hidden(ids, cache) -> [T, H]``: the final (post-norm) hidden states of ``ids`` appended to
     the sequence held by ``cache`` (a transformers cache; None: a fresh sequence, not kept)."""
 
-    def __init__(self, checkpoint: Checkpoint, *, device: torch.device, dtype: torch.dtype):
+    def __init__(self, checkpoint: Checkpoint, *, device: torch.device, dtype: torch.dtype) -> None:
         _, modeling = _transformers()
         self.config = text_config(checkpoint)
         self.device, self.dtype = device, dtype
@@ -97,21 +103,22 @@ class TextModel:
         self.hidden_size = self.config.hidden_size
         self.vocab_size = self.config.vocab_size
 
-    def new_cache(self):
+    def new_cache(self) -> DynamicCache:
         from transformers.cache_utils import DynamicCache
 
         return DynamicCache(config=self.config)
 
     @staticmethod
-    def copy_cache(cache):
+    def copy_cache(cache: DynamicCache) -> DynamicCache:
         return copy.deepcopy(cache)
 
     @staticmethod
-    def cache_bytes(cache) -> int:
+    def cache_bytes(cache: DynamicCache) -> int:
         """Bytes of every tensor a cache holds (KV cells, conv and recurrent states)."""
-        seen, total = set(), 0
+        seen: set[int] = set()
+        total = 0
 
-        def walk(value) -> None:
+        def walk(value: object) -> None:
             nonlocal total
             if isinstance(value, torch.Tensor):
                 if id(value) not in seen:
@@ -132,7 +139,7 @@ class TextModel:
         return total
 
     @torch.inference_mode()
-    def hidden(self, ids: torch.Tensor, cache=None, past: int = 0) -> torch.Tensor:
+    def hidden(self, ids: torch.Tensor, cache: DynamicCache | None = None, past: int = 0) -> torch.Tensor:
         ids = ids.to(self.device, torch.long)
         embeds = F.embedding(ids, self.model.embed_tokens.weight).to(self.dtype)[None]
         # Positions given explicitly: a hybrid cache's first layer may be a recurrent one, which

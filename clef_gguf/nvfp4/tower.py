@@ -11,16 +11,20 @@ import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from types import TracebackType
+from typing import Any
 
 import numpy as np
 import torch
 
 from clef_gguf.cpus import available_cpus
-from clef_gguf.errors import InvalidValue
+from clef_gguf.limits import CONTEXT_WINDOW
+from clef_gguf.errors import ClefError, InvalidSetting
 from clef_gguf.nvfp4.checkpoint import Checkpoint
 from clef_gguf.nvfp4.kernels import kernel_name
 from clef_gguf.nvfp4.model import TextModel
-from clef_gguf.statecache import SegmentedForward, Snapshot
+from clef_gguf.statecache import SegmentedForward, Snapshot, StateCache
+from clef_gguf.towers import Forwarded, Prompt, check_pack
 
 log = logging.getLogger("clef_gguf.nvfp4")
 # Compute dtype per device: fp32 on the CPU (the reference's numerics; bf16 matmuls are slow
@@ -34,7 +38,7 @@ CPU_WARNING = ("the nvfp4 backend is running on the CPU (no CUDA device): weight
 class _CacheCopy:
     """A transformers cache kept in the state cache; ``nbytes`` is what the budget counts."""
 
-    cache: object
+    cache: Any
     nbytes: int
 
 
@@ -44,26 +48,28 @@ def pick_device(gpu_layers: int | str) -> torch.device:
     if gpu_layers in (0, "0"):
         return torch.device("cpu")
     if gpu_layers not in ("auto", "all", -1, None):
-        raise InvalidValue(f"the nvfp4 backend places the whole tower on one device: gpu_layers "
-                           f"must be auto, all or 0 (got {gpu_layers!r})", field="gpu_layers")
+        raise InvalidSetting(f"the nvfp4 backend places the whole tower on one device: gpu_layers "
+                             f"must be auto, all or 0 (got {gpu_layers!r})", field="gpu_layers")
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
 class NVFP4Tower(SegmentedForward):
+    """The tower in PyTorch on an NVFP4 checkpoint's weights (``towers.LanguageTower``)."""
+
     def __init__(self, checkpoint: Checkpoint, model: TextModel, n_ctx: int, threads: int):
         self.checkpoint, self.model = checkpoint, model
         self.path = checkpoint.directory
         self._n_ctx, self._threads = n_ctx, threads
         self._lock = threading.Lock()
         self._prefix: tuple[bytes, Snapshot] | None = None
-        self.closed = False
+        self._closed = False
         self.kernel = kernel_name(model.device, checkpoint.scheme.activations)
 
     @classmethod
-    def load(cls, config_path: str | Path, *, n_ctx: int = 16384, threads: int | None = None,
+    def load(cls, config_path: str | Path, *, n_ctx: int = CONTEXT_WINDOW, threads: int | None = None,
              gpu_layers: int | str = "auto") -> NVFP4Tower:
         if threads is not None and (not isinstance(threads, int) or threads < 1):
-            raise InvalidValue(f"threads must be a whole number >= 1 (got {threads!r})", field="threads")
+            raise InvalidSetting(f"threads must be a whole number >= 1 (got {threads!r})", field="threads")
         device = pick_device(gpu_layers)
         checkpoint = Checkpoint(config_path)
         threads = threads or available_cpus()
@@ -103,7 +109,24 @@ class NVFP4Tower(SegmentedForward):
     def device(self) -> str:
         return str(self.model.device)
 
-    def _decode(self, ids: np.ndarray, cache, past: int) -> np.ndarray:
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def details(self) -> dict[str, str]:
+        return {"kernel": self.kernel, "device": self.device}
+
+    def pack_size(self, n_tokens: int) -> int:
+        """1: this tower decodes one prompt at a time."""
+        return 1
+
+    def forward_many(self, prompts: list[Prompt], cache: StateCache | None = None, *,
+                     pack: int | None = None) -> list[Forwarded | ClefError]:
+        """``forward`` for each prompt in turn (``pack`` is checked; every prompt runs alone)."""
+        check_pack(pack)
+        return self._forward_each(prompts, cache)
+
+    def _decode(self, ids: np.ndarray, cache: Any, past: int) -> np.ndarray:
         if len(ids) == 0:
             return np.empty((0, self.n_embd), dtype=np.float32)
         hidden = self.model.hidden(torch.from_numpy(ids.astype(np.int64)), cache, past)
@@ -116,27 +139,28 @@ class NVFP4Tower(SegmentedForward):
 
     # The sequence operations of the shared schedule (statecache.SegmentedForward): a sequence
     # is a transformers cache, kept as a deep copy.
-    def _begin(self):
+    def _begin(self) -> Any:
         return self.model.new_cache()
 
-    def _resume(self, kept: _CacheCopy):
+    def _resume(self, kept: _CacheCopy) -> Any:
         return self.model.copy_cache(kept.cache)
 
-    def _append(self, seq, ids: np.ndarray, start: int) -> np.ndarray:
+    def _append(self, seq: Any, ids: np.ndarray, start: int) -> np.ndarray:
         return self._decode(ids, seq, start)
 
-    def _kept_bytes(self, seq) -> int:
+    def _kept_bytes(self, seq: Any) -> int:
         return self.model.cache_bytes(seq)
 
-    def _keep(self, seq, size: int) -> _CacheCopy:
+    def _keep(self, seq: Any, size: int) -> _CacheCopy:
         return _CacheCopy(self.model.copy_cache(seq), size)
 
     def close(self) -> None:
         with self._lock:  # the weights go with the last reference; later calls get a clear error
-            self.closed, self._prefix = True, None
+            self._closed, self._prefix = True, None
 
     def __enter__(self) -> NVFP4Tower:
         return self
 
-    def __exit__(self, *_exc) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         self.close()

@@ -13,19 +13,19 @@ The answer is ``{"model", "results": [{"id", "answers"} | {"id", "error"}], "usa
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any
 
+import pydantic
+
+from clef_gguf import engine, errors
 from clef_gguf.errors import ClefError
-from clef_gguf.server.http import ApiError, internal_error
-from clef_gguf.server.workqueue import pack_size
+from clef_gguf.server import schema
+from clef_gguf.server.http import ApiError
+from clef_gguf.server.state import ServedModel
+from clef_gguf.server.workqueue import Job
 
-log = logging.getLogger("clef_gguf.server")
-
-AVRIK_KEYS = frozenset({"model", "state", "questions", "options", "calibration"})
-REQUESTS_KEYS = frozenset({"model", "requests"})
-ENTRY_KEYS = frozenset({"id", "text", "questions", "images"})
+ENTRY_KEYS = frozenset(schema.BatchEntry.model_fields)
 AUDIT_LISTS = ("prompt_template_sha256", "allowed_token_set_hash", "input_tokens")
 
 
@@ -55,155 +55,167 @@ def is_batch(body: Any) -> bool:
                     for e in state))
 
 
-def _refused(item_id: str, code: str, message: str, field: str | None) -> BatchItem:
-    return BatchItem(item_id, error={"code": code, "message": message, "field": field})
+def _refused(item_id: str, error: ClefError) -> BatchItem:
+    return BatchItem(item_id, error=error.to_dict()["error"])
 
 
 def _item_id(value: Any, index: int) -> str:
     return str(index) if value is None else value if isinstance(value, str) else str(value)
 
 
-def _from_entry(i: int, entry: Any, body: dict) -> BatchItem:
+def _from_entry(i: int, entry: Any, body: schema.InputsBatch) -> BatchItem:
     if isinstance(entry, str):
         entry = {"id": str(i), "text": entry}
     if not isinstance(entry, dict):
-        return _refused(str(i), "invalid_value", "a batch input is an object {id, text} or a "
-                        "string", f"state.{i}")
+        return _refused(str(i), errors.InvalidValue("a batch input is an object {id, text} or a "
+                                                    "string", field=f"state.{i}"))
     item_id = _item_id(entry.get("id"), i)
-    extra = sorted(set(entry) - ENTRY_KEYS)
-    if extra:
-        return _refused(item_id, "unknown_field", f"unknown field '{extra[0]}' in a batch input",
-                        f"state.{i}.{extra[0]}")
-    if "text" not in entry:
-        return _refused(item_id, "missing_field", "'text' is required", f"state.{i}.text")
-    questions = entry.get("questions", body.get("questions"))
+    try:
+        parsed = schema.BatchEntry.model_validate(entry)
+    except pydantic.ValidationError as exc:
+        problems = exc.errors()
+        extra = sorted(str(p["loc"][0]) for p in problems if p["type"] == "extra_forbidden")
+        if extra:
+            return _refused(item_id, errors.UnknownField(
+                f"unknown field '{extra[0]}' in a batch input", field=f"state.{i}.{extra[0]}"))
+        return _refused(item_id, errors.MissingField("'text' is required",
+                                                     field=f"state.{i}.text"))
+    given = parsed.model_fields_set
+    questions = parsed.questions if "questions" in given else body.questions
     if questions is None:
-        return _refused(item_id, "missing_field", "this input has no questions and none are "
-                        "shared", f"state.{i}.questions")
+        return _refused(item_id, errors.MissingField("this input has no questions and none are "
+                                                     "shared", field=f"state.{i}.questions"))
+    shared = body.model_fields_set
     request: dict[str, Any] = {}
-    if "model" in body:
-        request["model"] = body["model"]
-    request["state"] = entry["text"]
+    if "model" in shared:
+        request["model"] = body.model
+    request["state"] = parsed.text
     request["questions"] = questions
-    for key in ("options", "calibration"):
-        if key in body:
-            request[key] = body[key]
-    if "images" in entry:
-        request["images"] = entry["images"]  # the core refuses media with a clear reason
+    if "options" in shared:
+        request["options"] = body.options
+    if "calibration" in shared:
+        request["calibration"] = body.calibration
+    if "images" in given:
+        request["images"] = parsed.images  # the core refuses media with a clear reason
     return BatchItem(item_id, request)
 
 
-def _from_request(i: int, request: Any, body: dict) -> BatchItem:
+def _from_request(i: int, request: Any, body: schema.RequestsBatch) -> BatchItem:
     if not isinstance(request, dict):
-        return _refused(str(i), "invalid_value", "each entry of 'requests' must be a JSON "
-                        "object", f"requests.{i}")
+        return _refused(str(i), errors.InvalidValue("each entry of 'requests' must be a JSON "
+                                                    "object", field=f"requests.{i}"))
     request = dict(request)
     item_id = _item_id(request.pop("id", None), i)
-    if "model" not in request and "model" in body:
-        request["model"] = body["model"]
+    if "model" not in request and "model" in body.model_fields_set:
+        request["model"] = body.model
     return BatchItem(item_id, request)
+
+
+def _whole_batch_error(exc: pydantic.ValidationError, where: str, count: int | None,
+                       max_items: int) -> ClefError:
+    """The first problem of a batch body, in the order a reader meets them: a key it does not
+    have, then its list of inputs, then the number of inputs, then ``model``."""
+    problems = exc.errors()
+    extra = sorted(str(p["loc"][0]) for p in problems if p["type"] == "extra_forbidden")
+    if extra:
+        return errors.UnknownField(f"unknown field '{extra[0]}' in a batch", field=extra[0])
+    if any(p["loc"][:1] == (where,) for p in problems):
+        return errors.InvalidBatch(f"'{where}' must be a non-empty list", field=where)
+    if count is not None and count > max_items:
+        return _too_many(where, count, max_items)
+    return errors.InvalidValue("'model' must be a string", field="model")
+
+
+def _too_many(where: str, count: int, max_items: int) -> errors.TooManyInputs:
+    return errors.TooManyInputs(f"at most {max_items} inputs per batch (got {count})",
+                                field=where)
 
 
 def parse_batch(body: Any, max_items: int) -> tuple[list[BatchItem], str | None]:
-    """The inputs in order, and the model name to echo. Whole-batch problems raise ApiError."""
+    """The inputs in order, and the model name to echo. Whole-batch problems raise ApiError;
+    an input's own problem is that input's result."""
     if not isinstance(body, dict):
-        raise ApiError(422, "invalid_value", "the request must be a JSON object")
+        raise ApiError(errors.InvalidValue("the request must be a JSON object"))
     if "requests" in body:
-        allowed, entries, where = REQUESTS_KEYS, body["requests"], "requests"
-        convert = _from_request
+        model: type[schema.InputsBatch | schema.RequestsBatch] = schema.RequestsBatch
+        where = "requests"
     elif isinstance(body.get("state"), list):
-        allowed, entries, where = AVRIK_KEYS, body["state"], "state"
-        convert = _from_entry
+        model, where = schema.InputsBatch, "state"
     else:
-        raise ApiError(422, "invalid_batch", "a batch needs 'state' as a list of inputs "
-                       "({id, text} objects or strings) or 'requests' as a list of requests",
-                       "state")
-    extra = sorted(set(body) - allowed)
-    if extra:
-        raise ApiError(422, "unknown_field", f"unknown field '{extra[0]}' in a batch", extra[0])
-    if not isinstance(entries, list) or not entries:
-        raise ApiError(422, "invalid_batch", f"'{where}' must be a non-empty list", where)
-    if len(entries) > max_items:
-        raise ApiError(422, "too_many_inputs", f"at most {max_items} inputs per batch "
-                       f"(got {len(entries)})", where)
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise ApiError(422, "invalid_value", "'model' must be a string", "model")
-    return [convert(i, entry, body) for i, entry in enumerate(entries)], model
+        raise ApiError(errors.InvalidBatch("a batch needs 'state' as a list of inputs ({id, text} "
+                                           "objects or strings) or 'requests' as a list of "
+                                           "requests", field="state"))
+    entries = body.get(where)
+    count = len(entries) if isinstance(entries, list) else None
+    try:
+        parsed = model.model_validate(body)
+    except pydantic.ValidationError as exc:
+        raise ApiError(_whole_batch_error(exc, where, count, max_items)) from None
+    if count is not None and count > max_items:
+        raise ApiError(_too_many(where, count, max_items))
+    if isinstance(parsed, schema.RequestsBatch):
+        items = [_from_request(i, entry, parsed) for i, entry in enumerate(parsed.requests)]
+    else:
+        items = [_from_entry(i, entry, parsed) for i, entry in enumerate(parsed.state)]
+    return items, parsed.model
 
 
-def _fail(item: BatchItem, exc: Exception, stage: str) -> None:
+def _fail(item: BatchItem, exc: Exception) -> None:
     """One input's failure stays inside its result, whatever it is: a bug or a tower fault hit
     by one input must not take the other inputs' answers with it."""
-    if isinstance(exc, ClefError):
-        item.error = exc.to_dict()["error"]
-        return
-    log.error("batch input %r failed in %s", item.id, stage, exc_info=exc)
-    item.error = internal_error(exc).body()["error"]
+    item.error = engine.error_body(exc, f"batch input {item.id!r}")
 
 
-def prepare_items(clef: Any, items: list[BatchItem]) -> None:
-    """Validate + tokenize every input not refused yet (runs in a tokenizer thread)."""
+def prepare_items(clef: engine.Model, items: list[BatchItem]) -> int:
+    """Validate + tokenize every input not refused yet (runs in a tokenizer thread); the prompt
+    tokens of the inputs prepared."""
+    tokens = 0
     for item in items:
         if item.error is None:
-            try:
-                item.prepared = clef.prepare(item.request)
-            except Exception as exc:  # noqa: BLE001 - reported in this input's result
-                _fail(item, exc, "prepare")
+            prepared = engine.prepare(clef, item.request)
+            if isinstance(prepared, Exception):
+                _fail(item, prepared)
+            else:
+                item.prepared = prepared
+                tokens += prepared.encoded.n_tokens
+    return tokens
 
 
-def compute_items(clef: Any, items: list[BatchItem], job: Any) -> bool:
+def compute_items(clef: engine.Model, items: list[BatchItem], job: Job) -> bool:
     """Run every prepared input (on the worker thread); False if the client left mid-batch.
 
-    Where the model's tower packs prompts of this size (``pack_size``), that many inputs run at a
-    time as one ``clef.run_many`` (several prompts per llama_decode, the same answers); the
-    client leaving is checked between those groups."""
+    The engine runs them in groups of what the model's tower decodes together (several prompts
+    per llama_decode where its packing policy says so, the same answers); the client leaving is
+    checked between those groups, so answers nobody will read do not hold the model."""
     todo = [item for item in items if item.prepared is not None]
-    while todo:
-        if job.abandoned:  # stop spending the model on answers nobody will read
-            return False
-        size = pack_size(clef, todo[0].prepared)
-        group, todo = todo[:size], todo[size:]
-        if len(group) == 1:
-            _run_one(clef, group[0])
-            continue
-        try:
-            outs = clef.run_many([item.prepared for item in group])
-        except Exception as exc:  # noqa: BLE001 - a bug in the packed pass: each input says so
-            outs = [exc] * len(group)
-        for item, out in zip(group, outs):
-            if isinstance(out, Exception):
-                _fail(item, out, "run")
-            else:
-                item.response = out[0]
-    return True
+    outcomes = engine.run(clef, [item.prepared for item in todo], stop=lambda: job.abandoned)
+    for item, outcome in zip(todo, outcomes):
+        if isinstance(outcome, Exception):
+            _fail(item, outcome)
+        elif outcome is not None:
+            item.response = outcome[0]
+    return all(outcome is not None for outcome in outcomes)
 
 
-def _run_one(clef: Any, item: BatchItem) -> None:
-    try:
-        item.response = clef.run(item.prepared)[0]
-    except Exception as exc:  # noqa: BLE001 - reported in this input's result
-        _fail(item, exc, "run")
-
-
-def _base_audit(clef: Any) -> dict:
+def _base_audit(clef: ServedModel) -> dict[str, Any]:
     """The audit of a batch in which no input was answered: who would have answered."""
-    p = getattr(clef, "provenance", None)
-    info = getattr(clef, "info", {})
-    return {"model_hash": getattr(p, "model_hash", None) or "unknown",
-            "calibration_version": getattr(p, "calibration_version", "none"),
+    p, info = clef.provenance, clef.info
+    return {"model_hash": p.model_hash if p and p.model_hash else "unknown",
+            "calibration_version": p.calibration_version if p else "none",
             "prompt_template_sha256": [], "allowed_token_set_hash": [], "input_tokens": [],
-            "backend": getattr(p, "backend", None) or info.get("backend", "unknown"),
-            "precision": getattr(p, "precision", None) or info.get("precision", "unknown")}
+            "backend": p.backend if p and p.backend else info.get("backend", "unknown"),
+            "precision": p.precision if p and p.precision else info.get("precision", "unknown")}
 
 
-def batch_response(items: list[BatchItem], model: str | None, clef: Any) -> dict:
+def batch_response(items: list[BatchItem], model: str | None,
+                   clef: ServedModel) -> dict[str, Any]:
     """Results in input order; audit list fields hold one entry per answered input, in order."""
-    results, audit, tokens = [], None, 0
+    results: list[dict[str, Any]] = []
+    audit: dict[str, Any] | None = None
+    tokens = 0
     for item in items:
         if item.response is None:
-            error = item.error or {"code": "not_computed", "message": "not computed",
-                                   "field": None}
+            error = item.error or errors.NotComputed("not computed").to_dict()["error"]
             results.append({"id": item.id, "error": error})
             continue
         result = {"id": item.id, "answers": item.response["answers"]}

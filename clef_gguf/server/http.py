@@ -12,13 +12,16 @@ import hmac
 import json
 import logging
 import re
+import socket
 import time
 import uuid
+from collections.abc import MutableMapping
 from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
+from clef_gguf import errors
 from clef_gguf.errors import ClefError
 from clef_gguf.request import parse_json
 
@@ -26,24 +29,36 @@ log = logging.getLogger("clef_gguf.server")
 
 # Request ids we echo must be safe to put in a header and a log line.
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
-CLIENT_CLOSED = 499  # nginx's convention, only for our log line: nothing is sent
+CLIENT_CLOSED = errors.ClientClosed.status  # only for our log line: nothing is sent
+
+
+def free_port() -> int:
+    """A loopback TCP port nobody listens on now (for a server this process starts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 class ApiError(Exception):
-    """A refusal with the API's error body ``{"error": {"code", "message", "field"}}``."""
+    """A refusal in the API's error body ``{"error": {"code", "message", "field"}}``: one of the
+    registered errors (``clef_gguf.errors``, which holds every code and its status) plus the HTTP
+    headers that go with it (``Retry-After``, ``WWW-Authenticate``)."""
 
-    def __init__(self, status: int, code: str, message: str, field: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.code, self.message, self.field = status, code, message, field
+    def __init__(self, error: ClefError, headers: dict[str, str] | None = None) -> None:
+        super().__init__(error.message)
+        self.error = error
         self.headers = headers or {}
 
-    @classmethod
-    def from_clef(cls, exc: ClefError) -> ApiError:
-        return cls(exc.status, exc.code, exc.message, exc.field)
+    @property
+    def status(self) -> int:
+        return self.error.status
 
-    def body(self) -> dict:
-        return {"error": {"code": self.code, "message": self.message, "field": self.field}}
+    @property
+    def code(self) -> str:
+        return self.error.code
+
+    def body(self) -> dict[str, Any]:
+        return self.error.to_dict()
 
     def response(self) -> Response:
         return json_response(self.body(), self.status, self.headers)
@@ -72,17 +87,17 @@ async def read_json(request: Request, max_bytes: int) -> Any:
     length = request.headers.get("content-length")
     if length is not None:
         if not length.isdigit():
-            raise ApiError(400, "invalid_content_length", "Content-Length is not a number")
+            raise ApiError(errors.InvalidContentLength("Content-Length is not a number"))
         if int(length) > max_bytes:
-            raise ApiError(413, "body_too_large",
-                           f"the body is {int(length)} bytes; the limit is {max_bytes}")
+            raise ApiError(errors.BodyTooLarge(f"the body is {int(length)} bytes; the limit is "
+                                               f"{max_bytes}"))
     chunks, size = [], 0
     try:
         async for chunk in request.stream():
             size += len(chunk)
             if size > max_bytes:
-                raise ApiError(413, "body_too_large",
-                               f"the body exceeds the limit of {max_bytes} bytes")
+                raise ApiError(errors.BodyTooLarge(f"the body exceeds the limit of {max_bytes} "
+                                                   "bytes"))
             chunks.append(chunk)
     except ClientDisconnect:  # gone mid-body: nobody to answer, and no server fault to log
         note(request, client_gone=True)
@@ -90,18 +105,18 @@ async def read_json(request: Request, max_bytes: int) -> Any:
     try:
         return parse_json(b"".join(chunks))
     except ClefError as exc:
-        raise ApiError.from_clef(exc) from None
+        raise ApiError(exc) from None
 
 
 def internal_error(exc: BaseException) -> ApiError:
     """A fault of ours, not the request's: 500 naming the exception (a local server, so the
     message helps the one person who reads it more than it leaks)."""
-    return ApiError(500, "internal_error", f"{type(exc).__name__}: {exc}")
+    return ApiError(errors.InternalError(f"{type(exc).__name__}: {exc}"))
 
 
 def client_closed() -> ApiError:
     """What a request whose client left answers: never sent, but logged as 499."""
-    return ApiError(CLIENT_CLOSED, "client_closed", "the client disconnected")
+    return ApiError(errors.ClientClosed("the client disconnected"))
 
 
 async def until_disconnect(request: Request) -> None:
@@ -128,6 +143,22 @@ def note(request: Request, **fields: Any) -> None:
     request.scope.setdefault("state", {}).setdefault("clef_log", {}).update(fields)
 
 
+class RequestClient:
+    """A Starlette request as the job runner's ``Client`` (``server.jobs``)."""
+
+    def __init__(self, request: Request) -> None:
+        self.request = request
+
+    async def disconnected(self) -> bool:
+        return await self.request.is_disconnected()
+
+    async def left_before(self, future: asyncio.Future) -> bool:
+        return not await wait_unless_gone(self.request, future)
+
+    def note(self, **facts: Any) -> None:
+        note(self.request, **facts)
+
+
 def _fmt(value: Any) -> str:
     if value is None:
         return "-"
@@ -152,7 +183,7 @@ class RequestContext:
         # compare_digest: the key must not leak through response timing.
         return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key or b"")
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -165,7 +196,7 @@ class RequestContext:
         facts = state.setdefault("clef_log", {})
         status = {"code": 500}  # stays 500 if the app dies before sending anything
 
-        async def send_with_id(message: dict) -> None:
+        async def send_with_id(message: MutableMapping[str, Any]) -> None:
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
                 message = dict(message)
@@ -176,8 +207,8 @@ class RequestContext:
         try:
             if self._key is not None and scope["path"] not in self._open \
                     and not self._authorized(headers):
-                err = ApiError(401, "unauthorized", "missing or wrong API key; send "
-                               "'Authorization: Bearer <key>'",
+                err = ApiError(errors.Unauthorized("missing or wrong API key; send "
+                                                   "'Authorization: Bearer <key>'"),
                                headers={"WWW-Authenticate": 'Bearer realm="clef-gguf"'})
                 await err.response()(scope, receive, send_with_id)
             else:

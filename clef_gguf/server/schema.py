@@ -1,174 +1,375 @@
-"""OpenAPI descriptions of the server's bodies (documentation only).
+"""The wire contract as pydantic models: ``/openapi.json`` is generated from them, batch bodies are
+validated by them, and the contract test checks every endpoint's real responses against them.
 
-The routes read raw bytes with Python ``json`` instead of letting FastAPI parse a pydantic model:
-the prompt depends on the int/float distinction and key order, and validation errors must use our
-own ``{"error": {...}}`` body. So the schemas are written here by hand for ``/openapi.json``.
+A single request body is validated by ``clef_gguf.request`` (the reference's semantics: ignored
+keys answered with warnings, any JSON state, errors named by field, in its own order). The request
+models here document that per question type and never refuse a body it accepts (other keys are
+allowed everywhere it ignores them); what JSON Schema cannot say (lone surrogates, prompts too
+long for the window, instructions that render to no tokens) is refused by the server only.
 
-They are kept exact where JSON Schema can say it (the API fuzz test checks every response against
-them), and describe a subset of what is accepted where it cannot (lone surrogates, prompts too
-long for the window, instructions that render to no tokens are refused only by the server).
+Response models forbid keys they do not name: a key added to a response without its model here
+fails the contract test instead of drifting out of the document.
 """
 
 from __future__ import annotations
 
-ANY_JSON: dict = {}
-ERROR = {
-    "type": "object", "required": ["error"], "additionalProperties": False,
-    "properties": {"error": {
-        "type": "object", "required": ["code", "message", "field"], "additionalProperties": False,
-        "properties": {"code": {"type": "string", "description": "stable, e.g. invalid_value, "
-                                "context_too_large, unsupported, queue_full"},
-                       "message": {"type": "string"},
-                       "field": {"type": ["string", "null"],
-                                 "description": "dotted path of the offending request field"}}}},
-}
+from typing import Annotated, Any, Literal
+
+import pydantic
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, PlainValidator, Tag
+
+from clef_gguf import request
+
 IGNORED = ("other keys are ignored and named in the response's warnings; options.strict "
            "refuses them")
 
 
-def _question(kind: str, criteria: dict, required: bool, description: str) -> dict:
-    return {"type": "object", "title": kind, "required": ["type", "criteria"] if required
-            else ["type"], "description": f"{description}; {IGNORED}",
-            "properties": {
-                "type": {"const": kind},
-                "instructions": {"description": "any JSON value (a string is used raw); the "
-                                 "question id when missing, null or \"\""},
-                "criteria": criteria}}
+def _as_is(value: Any) -> Any:
+    return value
 
 
-QUESTION = {"oneOf": [
-    _question("noul", {"type": ["object", "null"], "properties": {"true": {}, "false": {}}},
-              False, "criteria: optional descriptions of the answers true and false"),
-    _question("choice", {"type": "object", "minProperties": 1}, True,
-              "criteria: option id -> description (any JSON value), reported in request order; "
-              "options.strict: 2-255 options"),
-    _question("score", {"type": "array", "minItems": 1}, True,
-              "criteria: level descriptions, lowest first; options.strict: 2-10 levels"),
-]}
-QUESTIONS = {"type": "object", "additionalProperties": QUESTION, "minProperties": 1,
-             "propertyNames": {"minLength": 1},
-             "description": "question id -> question; order matters; options.strict: at most "
-                            "64"}
-OPTIONS = {"type": ["object", "null"], "description": IGNORED,
-           "properties": {
-               "truncate_state": {"type": "boolean", "default": False,
-                                  "description": "cut an over-long state to fit instead of "
-                                                 "answering 413"},
-               "strict": {"type": "boolean", "default": False,
-                          "description": "refuse what the reference ignores, apply the "
-                                         "ecosystem's count limits"}}}
-NO_MEDIA = {"type": ["array", "null"], "maxItems": 0,
-            "description": "not supported (no vision tower): a non-empty list is refused"}
-REQUEST = {
-    "type": "object", "required": ["state", "questions"], "description": IGNORED,
-    "properties": {"model": {"type": ["string", "null"], "description": "echoed back"},
-                   "state": {"description": "any JSON value; a string is used raw"},
-                   "questions": QUESTIONS, "options": OPTIONS,
-                   "images": NO_MEDIA, "videos": NO_MEDIA,
-                   "calibration": {"type": ["string", "null"],
-                                   "description": "only \"none\" is available"}},
-}
-USAGE = {"type": "object", "properties": {"input_tokens": {"type": "integer"},
-                                          "output_tokens": {"type": "integer"}}}
-AUDIT = {
-    "type": "object",
-    "properties": {"model_hash": {"type": "string"}, "calibration_version": {"type": "string"},
-                   "prompt_template_sha256": {"type": "array", "items": {"type": "string"}},
-                   "allowed_token_set_hash": {"type": "array", "items": {"type": "string"}},
-                   "input_tokens": {"type": "array", "items": {"type": "integer"}},
-                   "backend": {"type": "string"}, "precision": {"type": "string"}},
-}
-ANSWERS = {"type": "object", "description": "question id -> answer, in request order",
-           "additionalProperties": {"type": "object", "required": ["type"]}}
-WARNINGS = {"type": "array", "description": "what was ignored", "items": {
-    "type": "object", "required": ["code", "field", "message"],
-    "properties": {"code": {"type": "string"}, "field": {"type": "string"},
-                   "message": {"type": "string"}}}}
-RESPONSE = {
-    "type": "object", "required": ["model", "answers", "usage", "audit"],
-    "properties": {"model": {"type": "string"}, "answers": ANSWERS, "usage": USAGE,
-                   "audit": AUDIT, "truncated": {"type": "boolean"}, "warnings": WARNINGS},
-}
-BATCH_ENTRY = {"oneOf": [
-    {"type": "string"},
-    {"type": "object", "required": ["text"], "additionalProperties": False,
-     "properties": {"id": {"type": "string"}, "text": {"description": "this input's state"},
-                    "questions": QUESTIONS, "images": NO_MEDIA}},
-]}
+# ---------------------------------------------------------------- errors
+class ErrorDetail(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    code: str = Field(description="stable (clef_gguf.errors), e.g. invalid_value, "
+                                  "context_too_large, unsupported, queue_full")
+    message: str
+    field: str | None = Field(description="dotted path of the offending request field")
 
 
-def batch_request(max_items: int) -> dict:
-    """The two batch shapes; an input refused on its own is answered inside the results."""
-    return {"oneOf": [
-        {"type": "object", "required": ["state"], "title": "inputs sharing one question set",
-         "additionalProperties": False,
-         "properties": {"model": {"type": "string"},
-                        "state": {"type": "array", "items": BATCH_ENTRY, "minItems": 1,
-                                  "maxItems": max_items},
-                        "questions": QUESTIONS, "options": OPTIONS,
-                        "calibration": REQUEST["properties"]["calibration"]}},
-        {"type": "object", "required": ["requests"], "title": "a list of full requests",
-         "additionalProperties": False,
-         "properties": {"model": {"type": "string",
-                                  "description": "default for requests without"},
-                        "requests": {"type": "array", "minItems": 1, "maxItems": max_items,
-                                     "items": {**REQUEST, "properties": {
-                                         **REQUEST["properties"], "id": {
-                                             "type": "string",
-                                             "description": "names its result"}}}}}},
-    ]}
+class ErrorBody(BaseModel):
+    """Every refusal: a 4xx/5xx status with this body."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    error: ErrorDetail
 
 
-def single_or_batch(max_items: int) -> dict:
-    """``/v1/systemone``: one request, or a batch (avrik-sdk posts its batches here)."""
-    return {"anyOf": [REQUEST, batch_request(max_items)]}
+# ---------------------------------------------------------------- a request
+class NoulCriteria(BaseModel):
+    model_config = ConfigDict(extra="allow", json_schema_extra={"description": IGNORED})
+
+    true: Any = Field(None, description="what true means (default: the reference's)")
+    false: Any = Field(None, description="what false means (default: the reference's)")
 
 
-BATCH_RESPONSE = {
-    "type": "object", "required": ["model", "results", "usage", "audit"],
-    "properties": {
-        "model": {"type": "string"}, "usage": USAGE, "audit": AUDIT,
-        "results": {"type": "array", "description": "in input order", "items": {
-            "type": "object", "required": ["id"],
-            "properties": {"id": {"type": "string"}, "answers": ANSWERS,
-                           "error": ERROR["properties"]["error"],
-                           "truncated": {"type": "boolean"}}}},
-    },
-}
-MODELS = {"type": "object", "properties": {"models": {"type": "array", "items": {
-    "type": "object", "required": ["name"],
-    "properties": {"name": {"type": "string"}, "quant": {"type": "string"},
-                   "files": {"type": "object", "additionalProperties": {"type": ["string", "null"]},
-                             "description": "file name -> sha256"},
-                   "revision": {"type": ["string", "null"]}}}}}}
-HEALTH = {"type": "object", "required": ["status"],
-          "properties": {"status": {"enum": ["ok", "loading", "error"]}}}
-ANSWER_OR_BATCH = {"anyOf": [RESPONSE, BATCH_RESPONSE]}
-REQUEST_ID = {"X-Request-Id": {"description": "the request's X-Request-Id, or a new one",
+class NoulQuestion(BaseModel):
+    """criteria: optional descriptions of the answers true and false"""
+
+    model_config = ConfigDict(extra="allow", title="noul")
+
+    type: Literal["noul"]
+    instructions: Any = Field(None, description="any JSON value (a string is used raw); the "
+                                                "question id when missing, null or \"\"")
+    criteria: NoulCriteria | None = None
+
+
+class ChoiceQuestion(BaseModel):
+    """criteria: option id -> description (any JSON value), reported in request order;
+    options.strict: 2-255 options"""
+
+    model_config = ConfigDict(extra="allow", title="choice")
+
+    type: Literal["choice"]
+    instructions: Any = Field(None, description="as for noul")
+    criteria: dict[str, Any] = Field(min_length=1)
+
+
+class ScoreQuestion(BaseModel):
+    """criteria: level descriptions, lowest first; options.strict: 2-10 levels"""
+
+    model_config = ConfigDict(extra="allow", title="score")
+
+    type: Literal["score"]
+    instructions: Any = Field(None, description="as for noul")
+    criteria: list[Any] = Field(min_length=1)
+
+
+Question = Annotated[NoulQuestion | ChoiceQuestion | ScoreQuestion, Field(discriminator="type")]
+Questions = Annotated[dict[str, Question], Field(
+    min_length=1, description="question id -> question; order matters; options.strict: at most "
+                              f"{request.MAX_QUESTIONS}")]
+
+
+class Options(BaseModel):
+    model_config = ConfigDict(extra="allow", json_schema_extra={"description": IGNORED})
+
+    truncate_state: bool = Field(False, description="cut an over-long state to fit instead of "
+                                                    "answering 413")
+    strict: bool = Field(False, description="refuse what the reference ignores, apply the "
+                                            "ecosystem's count limits")
+
+
+NoMedia = Annotated[list[Any] | None, Field(
+    max_length=0, description="not supported (no vision tower): a non-empty list is refused")]
+
+
+class SystemOneRequest(BaseModel):
+    """One SystemOne request; other keys are ignored and named in the response's warnings;
+    options.strict refuses them."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = Field(None, description="echoed back")
+    state: Any = Field(description="any JSON value; a string is used raw")
+    questions: Questions
+    options: Options | None = None
+    images: NoMedia = None
+    videos: NoMedia = None
+    calibration: Any = Field(None, description="only \"none\" is available; another value is "
+                                               "ignored with a warning")
+    media_kwargs: dict[str, Any] | None = Field(None, description="ignored: there is no media")
+
+
+# Batch fields passed on as sent, each documented as what it holds: ``clef_gguf.request``
+# validates them (and names their errors) when their input is prepared, so that a batch input
+# fails alone and with the same error as a single request.
+AnyId = Annotated[Any, PlainValidator(_as_is, json_schema_input_type=str)]
+AnyQuestions = Annotated[Any, PlainValidator(_as_is, json_schema_input_type=Questions)]
+AnyMedia = Annotated[Any, PlainValidator(_as_is, json_schema_input_type=NoMedia)]
+AnyOptions = Annotated[Any, PlainValidator(_as_is, json_schema_input_type=Options | None)]
+
+
+# ---------------------------------------------------------------- batch bodies
+class BatchEntry(BaseModel):
+    """One input of avrik-sdk's batch shape."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: AnyId = Field(None, description="names its result (default: the input's index)")
+    text: Any = Field(description="this input's state")
+    questions: AnyQuestions = Field(None, description="this input's own question set "
+                                                        "(default: the batch's)")
+    images: AnyMedia = None
+
+
+AnyEntry = Annotated[Any, PlainValidator(_as_is, json_schema_input_type=str | BatchEntry)]
+
+
+class InputsBatch(BaseModel):
+    """Inputs sharing one question set (avrik-sdk's shape: it posts it to /v1/systemone)."""
+
+    model_config = ConfigDict(extra="forbid", title="inputs sharing one question set")
+
+    model: str | None = None
+    state: list[AnyEntry] = Field(
+        min_length=1, description="a string is an input whose id is its index")
+    questions: AnyQuestions = None
+    options: AnyOptions = None
+    calibration: Any = Field(None, description="as in a single request")
+
+
+class BatchRequest(SystemOneRequest):
+    """A full request inside a batch; ``id`` names its result (default: its index)."""
+
+    id: AnyId = Field(None, description="names its result")
+
+
+AnyRequest = Annotated[Any, PlainValidator(_as_is, json_schema_input_type=BatchRequest)]
+
+
+class RequestsBatch(BaseModel):
+    model_config = ConfigDict(extra="forbid", title="a list of full requests")
+
+    model: str | None = Field(None, description="default for requests without")
+    requests: list[AnyRequest] = Field(min_length=1)
+
+
+def _batch_shape(body: Any) -> str:
+    return "requests" if isinstance(body, dict) and "requests" in body else "inputs"
+
+
+BatchBody = Annotated[
+    Annotated[InputsBatch, Tag("inputs")] | Annotated[RequestsBatch, Tag("requests")],
+    Discriminator(_batch_shape),
+    Field(description="an input refused on its own is answered inside the results")]
+SingleOrBatch = SystemOneRequest | BatchBody
+BATCH_LISTS = {"InputsBatch": "state", "RequestsBatch": "requests"}  # model -> its inputs
+
+
+# ---------------------------------------------------------------- responses
+class NoulAnswer(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["noul"]
+    noul: float = Field(ge=0, le=1, description="P(true)")
+
+
+class ChoiceAnswer(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["choice"]
+    choice: str
+    confidence: float = Field(ge=0, le=1)
+    probabilities: dict[str, float] = Field(description="option id -> probability, in request "
+                                                        "order")
+
+
+class ScoreAnswer(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["score"]
+    score: float = Field(description="the expected level")
+    confidence: float = Field(ge=0, le=1)
+    legend: dict[str, Any] = Field(description="level -> its description as sent")
+    probabilities: dict[str, float]
+
+
+Answer = Annotated[NoulAnswer | ChoiceAnswer | ScoreAnswer, Field(discriminator="type")]
+Answers = Annotated[dict[str, Answer], Field(description="question id -> answer, in request "
+                                                         "order")]
+
+
+class BatchUsage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    input_tokens: int
+    output_tokens: int
+
+
+class Usage(BatchUsage):
+    cached_tokens: int = Field(description="prompt tokens restored from the state cache instead "
+                                           "of decoded")
+
+
+class Audit(BaseModel):
+    """What produced the answers; the lists hold one entry per answered input."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_hash: str
+    calibration_version: str
+    prompt_template_sha256: list[str]
+    allowed_token_set_hash: list[str]
+    input_tokens: list[int]
+    backend: str
+    precision: str
+
+
+class IgnoredKey(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    code: str
+    field: str
+    message: str
+
+
+class SystemOneResponse(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    answers: Answers
+    usage: Usage
+    audit: Audit
+    truncated: bool = Field(False, description="the state was cut to fit (options.truncate_state)")
+    warnings: list[IgnoredKey] = Field(default_factory=list, description="what was ignored")
+
+
+class AnsweredInput(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    answers: Answers
+    truncated: bool = False
+
+
+class RefusedInput(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    error: ErrorDetail
+
+
+class BatchResponse(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    results: list[AnsweredInput | RefusedInput] = Field(description="in input order")
+    usage: BatchUsage
+    audit: Audit
+
+
+class ModelEntry(BaseModel):
+    """The served model: its name and what ``Clef.info`` says about it."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    quant: str | None = None
+    revision: str | None = None
+    files: dict[str, str | None] | None = Field(None, description="file name -> sha256")
+
+
+class ModelList(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    models: list[ModelEntry]
+
+
+class HealthOk(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    status: Literal["ok"]
+    model: str | None
+    model_hash: str | None
+    backend: str | None
+    precision: str | None
+
+
+class HealthLoading(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    status: Literal["loading"]
+
+
+class HealthFailed(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    status: Literal["error"]
+    error: ErrorDetail
+
+
+# ---------------------------------------------------------------- OpenAPI pieces
+REQUEST_ID: dict[str, Any] = {"X-Request-Id": {"description": "the request's X-Request-Id, or a new one",
                                "required": True, "schema": {"type": "string"}}}
-RETRY_AFTER = {"description": "seconds", "schema": {"type": "string", "pattern": "^[0-9]+$"}}
+RETRY_AFTER: dict[str, Any] = {"description": "seconds", "schema": {"type": "string", "pattern": "^[0-9]+$"}}
+WHY = {400: "Content-Length is not a number", 401: "missing or wrong API key",
+       413: "body over the limit, or too long for the window without options.truncate_state",
+       422: "invalid JSON or invalid request", 429: "queue full; see Retry-After",
+       500: "a fault of the server (internal_error) or of the model (inference_error)",
+       503: "model loading (see Retry-After), failed to load, or shutting down"}
 
 
-def body(schema: dict) -> dict:
-    """``openapi_extra`` for a route whose JSON body the handler parses itself."""
-    return {"requestBody": {"required": True,
-                            "content": {"application/json": {"schema": schema}}}}
+def answer(model: Any, description: str,
+           headers: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A FastAPI ``responses`` entry: its schema generated from ``model``."""
+    return {"model": model, "description": description,
+            "headers": REQUEST_ID if headers is None else headers}
 
 
-def json_content(schema: dict, description: str, headers: dict | None = None) -> dict:
-    out = {"description": description, "content": {"application/json": {"schema": schema}}}
-    if headers:
-        out["headers"] = headers
-    return out
-
-
-def errors(*statuses: int) -> dict:
-    what = {400: "Content-Length is not a number", 401: "missing or wrong API key",
-            413: "body over the limit, or too long for the window without "
-                 "options.truncate_state",
-            422: "invalid JSON or invalid request", 429: "queue full; see Retry-After",
-            500: "a fault of the server (internal_error) or of the model (inference_error)",
-            503: "model loading (see Retry-After), failed to load, or shutting down"}
-    headers = {429: {**REQUEST_ID, "Retry-After": {**RETRY_AFTER, "required": True}},
+def refusals(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    headers: dict[int, dict[str, Any]] = {429: {**REQUEST_ID, "Retry-After": {**RETRY_AFTER, "required": True}},
                503: {**REQUEST_ID, "Retry-After": RETRY_AFTER}}
-    return {s: json_content(ERROR, what[s], headers.get(s, REQUEST_ID)) for s in statuses}
+    return {s: answer(ErrorBody, WHY[s], headers.get(s)) for s in statuses}
+
+
+# Route path -> the request body it documents (the routes read the bytes themselves).
+REQUEST_BODIES = {"/v1/systemone": SingleOrBatch, "/v1/systemone/batch": BatchBody}
+
+
+def add_request_bodies(document: dict, bodies: dict[str, Any], max_batch: int) -> dict:
+    """Put each POST route's request body schema, generated by pydantic, into the OpenAPI
+    document FastAPI generated (it documents only bodies it parses itself). Batch lists get the
+    server's ``maxItems``."""
+    components = document.setdefault("components", {}).setdefault("schemas", {})
+    for path, body in bodies.items():
+        generated = pydantic.TypeAdapter(body).json_schema(
+            ref_template="#/components/schemas/{model}")
+        for name, definition in generated.pop("$defs", {}).items():
+            if name in BATCH_LISTS:
+                definition["properties"][BATCH_LISTS[name]]["maxItems"] = max_batch
+            components[name] = definition
+        document["paths"][path]["post"]["requestBody"] = {
+            "required": True, "content": {"application/json": {"schema": generated}}}
+    return document

@@ -8,21 +8,40 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
-from clef_gguf.errors import ClefError
+from clef_gguf import engine
+
+from clef_gguf.errors import ClefError, ModelLoading, ModelUnavailable
 from clef_gguf.server.http import ApiError
+
+if TYPE_CHECKING:
+    from clef_gguf.answer import Provenance
 
 log = logging.getLogger("clef_gguf.server")
 
 LOADING_RETRY_AFTER = "2"
 
 
+class ServedModel(engine.Model, Protocol):
+    """A model as the server serves it (a ``Clef``, or a wrapper of one): it answers, and says
+    what it is."""
+
+    @property
+    def info(self) -> Mapping[str, Any]: ...
+
+    @property
+    def provenance(self) -> Provenance | None: ...
+
+    def close(self) -> None: ...
+
+
 class Served:
     """The one model slot: ``loading`` until the background load ends, then ``ok`` or ``error``."""
 
-    def __init__(self, clef: Any = None, loader: Callable[[], Any] | None = None,
+    def __init__(self, clef: ServedModel | None = None,
+                 loader: Callable[[], ServedModel] | None = None,
                  on_load_error: Callable[[ClefError], None] | None = None) -> None:
         self.clef, self.loader, self.on_load_error = clef, loader, on_load_error
         self.owned = clef is None  # we close only what we loaded
@@ -37,6 +56,7 @@ class Served:
 
     def load(self) -> None:
         """Runs in a daemon thread so the port answers (``loading``) while weights map in."""
+        assert self.loader is not None, "a Served without a model needs a loader"
         try:
             clef = self.loader()
         except ClefError as exc:
@@ -76,17 +96,16 @@ class Served:
             if self.owned and self.clef is not None:
                 self.clef.close()
 
-    def require(self) -> Any:
+    def require(self) -> ServedModel:
         if self.clef is not None:
             return self.clef
         if self.error is not None:
-            raise ApiError(503, "model_unavailable", f"the model failed to load: "
-                           f"{self.error.message}")
-        raise ApiError(503, "model_loading", "the model is still loading",
+            raise ApiError(ModelUnavailable(f"the model failed to load: {self.error.message}"))
+        raise ApiError(ModelLoading("the model is still loading"),
                        headers={"Retry-After": LOADING_RETRY_AFTER})
 
 
-def loader_for(model: Any, load_kwargs: dict) -> Callable[[], Any]:
+def loader_for(model: Any, load_kwargs: dict[str, Any]) -> Callable[[], ServedModel]:
     """A zero-argument loader: ``model`` itself if callable, else ``Clef.load(model, ...)``."""
     if callable(model):
         return model

@@ -6,12 +6,13 @@ once would only make both slower. Why a bounded queue: a local server that accep
 grows its latency without limit under overload; refusing early with 429 + ``Retry-After`` lets
 clients back off (avrik-sdk retries on exactly that).
 
-The queue lives on the event loop (``asyncio.Queue``); a dispatcher task takes one job at a time
-and runs it in the worker thread, so the event loop never blocks on inference. A job submitted
-with ``decision=(clef, prepared)`` is one decision: the dispatcher takes it together with the
-decisions queued right behind it, up to what the tower's packing policy packs for that prompt
-(``Tower.pack_size``), and runs them as one ``clef.run_many`` (several prompts per llama_decode,
-the same answers as one by one).
+The queue lives on the event loop (a deque of our own, so the dispatcher can look at the jobs
+behind the one it takes); a dispatcher task takes one job at a time and runs it in the worker
+thread, so the event loop never blocks on inference. A job submitted with
+``decision=(clef, prepared)`` is one decision: the dispatcher takes it together with the decisions
+queued right behind it, up to what the tower's packing policy packs for that prompt
+(``Clef.pack_size``), and runs them through ``clef_gguf.engine`` (several prompts per
+llama_decode, the same answers as one by one, each failure its own job's).
 
 In front of the queue, :class:`PrepareStage` bounds validation + tokenization the same way: a few
 threads of its own and a capped number of requests waiting for them (see its docstring).
@@ -20,12 +21,19 @@ threads of its own and a capped number of requests waiting for them (see its doc
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from clef_gguf import engine
+
+if TYPE_CHECKING:
+    from clef_gguf.encode import Prepared
 
 log = logging.getLogger("clef_gguf.server")
 
@@ -52,8 +60,8 @@ class Job:
 
     __slots__ = ("fn", "future", "abandoned", "enqueued", "started", "finished", "decision")
 
-    def __init__(self, fn: Callable[["Job"], Any], future: asyncio.Future,
-                 decision: tuple[Any, Any] | None = None) -> None:
+    def __init__(self, fn: Callable[[Job], Any], future: asyncio.Future,
+                 decision: tuple[engine.Model, Prepared] | None = None) -> None:
         self.fn = fn
         self.future = future
         self.decision = decision  # (clef, prepared): ``fn`` is clef.run(prepared), packable
@@ -85,7 +93,10 @@ class InferenceQueue:
             raise ValueError("queue size must be at least 1")
         self.maxsize = maxsize
         self._thread_name = thread_name
-        self._queue: asyncio.Queue[Job] | None = None
+        self._waiting: deque[Job] = deque()
+        # Set while jobs wait; an Event rather than a Condition because ``submit`` is synchronous
+        # (a Condition's notify needs its lock, which is taken with ``await``).
+        self._arrived: asyncio.Event | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._dispatcher: asyncio.Task | None = None
         self._running: Job | None = None
@@ -96,7 +107,7 @@ class InferenceQueue:
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         """Create the queue and the worker; call from the event loop that will use them."""
-        self._queue = asyncio.Queue(self.maxsize)
+        self._arrived = asyncio.Event()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=self._thread_name)
         self._dispatcher = asyncio.create_task(self._dispatch(), name="clef-dispatcher")
 
@@ -113,24 +124,21 @@ class InferenceQueue:
                 await self._dispatcher
             except asyncio.CancelledError:
                 pass
-        if self._queue is not None:
-            while not self._queue.empty():
-                self._settle(self._queue.get_nowait(),
-                             exc=ShuttingDown("the server is shutting down"))
+        while self._waiting:
+            self._settle(self._waiting.popleft(), exc=ShuttingDown("the server is shutting down"))
         if self._executor is not None:
             # Waits for a pass already inside the model: never leave llama.cpp mid-decode.
             await asyncio.get_running_loop().run_in_executor(
-                None, lambda: self._executor.shutdown(wait=True))
+                None, functools.partial(self._executor.shutdown, wait=True))
 
     # ------------------------------------------------------------------ use
     @property
     def waiting(self) -> int:
-        return 0 if self._queue is None else self._queue.qsize()
+        return len(self._waiting)
 
     def waiting_jobs(self) -> tuple[Job, ...]:
         """A snapshot of the queued jobs, oldest first (for tests and diagnostics)."""
-        # asyncio.Queue keeps its items in a deque named _queue; read-only use.
-        return () if self._queue is None else tuple(self._queue._queue)  # type: ignore
+        return tuple(self._waiting)
 
     @property
     def busy(self) -> bool:
@@ -141,29 +149,38 @@ class InferenceQueue:
         backlog = self.waiting + (1 if self.busy else 0)
         return max(1, min(60, math.ceil(backlog * self._avg_job_s)))
 
-    def submit(self, fn: Callable[[Job], Any], *, decision: tuple[Any, Any] | None = None) -> Job:
+    def submit(self, fn: Callable[[Job], Any], *,
+               decision: tuple[engine.Model, Prepared] | None = None) -> Job:
         """Queue ``fn`` (it receives its :class:`Job`); raise QueueFull or ShuttingDown at once.
         ``decision=(clef, prepared)`` says ``fn`` is ``clef.run(prepared)``: it may then run packed
         with the decisions queued behind it, its result the same."""
-        if self._closed or self._queue is None:
+        if self._closed or self._arrived is None:
             raise ShuttingDown("the server is shutting down")
         job = Job(fn, asyncio.get_running_loop().create_future(), decision)
-        try:
-            self._queue.put_nowait(job)
-        except asyncio.QueueFull:
-            raise QueueFull(self.retry_after()) from None
+        if len(self._waiting) >= self.maxsize:
+            raise QueueFull(self.retry_after())
+        self._waiting.append(job)
+        self._arrived.set()
         return job
 
+    async def _next(self) -> Job:
+        """The oldest waiting job, once there is one."""
+        assert self._arrived is not None
+        while not self._waiting:
+            self._arrived.clear()
+            await self._arrived.wait()
+        return self._waiting.popleft()
+
     async def _dispatch(self) -> None:
-        assert self._queue is not None and self._executor is not None
+        assert self._executor is not None
         loop = asyncio.get_running_loop()
         while True:
-            job = await self._queue.get()
+            job = await self._next()
             if job.abandoned or job.future.done():
                 continue  # the client left while queued: drop it without computing
-            group = self._packable_behind(job)
-            if len(group) > 1:
-                await self._run_group(group)
+            packed = self._packable_behind(job)
+            if packed is not None:
+                await self._run_group(*packed)
                 continue
             self._running = job
             job.started = time.perf_counter()
@@ -184,50 +201,53 @@ class InferenceQueue:
             seconds = (job.finished - job.started) if job.finished else self._avg_job_s
             self._avg_job_s = 0.8 * self._avg_job_s + 0.2 * seconds
 
-    def _packable_behind(self, job: Job) -> list[Job]:
-        """``job`` and the decisions for the same model queued right behind it, as many as its
-        tower packs for prompts of this size (FIFO: never one from behind another kind of job)."""
+    def _packable_behind(self, job: Job) -> tuple[engine.Model, list[tuple[Job, Prepared]]] | None:
+        """``job``'s model, and ``job`` with the decisions for that model queued right behind it,
+        as many as its tower packs for prompts of this size (FIFO: never one from behind another
+        kind of job); None when ``job`` runs alone."""
         if job.decision is None:
-            return [job]
-        clef, prepared = job.decision
-        limit = pack_size(clef, prepared)
-        waiting = self._queue._queue  # type: ignore[union-attr]  # the deque behind asyncio.Queue
-        group = [job]
-        while len(group) < limit and waiting:
-            nxt = waiting[0]
+            return None
+        model, prepared = job.decision
+        limit = engine.pack_size(model, prepared)
+        group = [(job, prepared)]
+        while len(group) < limit and self._waiting:
+            nxt = self._waiting[0]
             if nxt.abandoned or nxt.future.done():
-                self._queue.get_nowait()  # type: ignore[union-attr]  # dropped, as _dispatch would
+                self._waiting.popleft()  # dropped, as _dispatch would
                 continue
-            if nxt.decision is None or nxt.decision[0] is not clef or pack_size(*nxt.decision) < 2:
+            if nxt.decision is None or nxt.decision[0] is not model \
+                    or engine.pack_size(*nxt.decision) < 2:
                 break
-            group.append(self._queue.get_nowait())  # type: ignore[union-attr]
-        return group
+            group.append((self._waiting.popleft(), nxt.decision[1]))
+        return (model, group) if len(group) > 1 else None
 
-    async def _run_group(self, group: list[Job]) -> None:
-        clef = group[0].decision[0]
-        self._running = group[0]
+    async def _run_group(self, model: engine.Model, group: list[tuple[Job, Prepared]]) -> None:
+        jobs = [job for job, _ in group]
+        self._running = jobs[0]
         started = time.perf_counter()
-        for job in group:
+        for job in jobs:
             job.started = started
+        loop = asyncio.get_running_loop()
+        results: list[engine.Outcome | BaseException | None]
         try:
-            results = await asyncio.get_running_loop().run_in_executor(
-                self._executor, lambda: clef.run_many([job.decision[1] for job in group]))
+            results = list(await loop.run_in_executor(self._executor, engine.run, model,
+                                                      [prepared for _, prepared in group]))
         except asyncio.CancelledError:
-            for job in group:
+            for job in jobs:
                 self._settle(job, exc=ShuttingDown("the server is shutting down"))
             raise
-        except BaseException as exc:  # noqa: BLE001 - a bug in the packed pass: every owner is told
-            results = [exc] * len(group)
+        except BaseException as exc:  # noqa: BLE001 - engine.run keeps each Exception in its
+            results = [exc] * len(jobs)  # job's place; anything else reaches every owner
         finally:
             self._running = None
         finished = time.perf_counter()
-        for job, result in zip(group, results):
+        for job, result in zip(jobs, results):
             job.finished = finished
             if isinstance(result, BaseException):
                 self._settle(job, exc=result)
             else:
                 self._settle(job, result=result)
-        self._avg_job_s = 0.8 * self._avg_job_s + 0.2 * (finished - started) / len(group)
+        self._avg_job_s = 0.8 * self._avg_job_s + 0.2 * (finished - started) / len(jobs)
 
     @staticmethod
     def _settle(job: Job, *, result: Any = None, exc: BaseException | None = None) -> None:
@@ -239,14 +259,6 @@ class InferenceQueue:
             job.future.set_exception(exc)
         else:
             job.future.set_result(result)
-
-
-def pack_size(clef: Any, prepared: Any) -> int:
-    """Decisions the model's tower packs with this one (1: none; a model without run_many)."""
-    policy = getattr(getattr(clef, "tower", None), "pack_size", None)
-    if policy is None or not hasattr(clef, "run_many"):
-        return 1
-    return policy(prepared.encoded.n_tokens)
 
 
 class ClientGone(Exception):
@@ -307,7 +319,7 @@ class PrepareStage:
         if self._executor is not None:
             # A tokenizer call cannot be interrupted; waiting keeps its thread out of shutdown.
             await asyncio.get_running_loop().run_in_executor(
-                None, lambda: self._executor.shutdown(wait=True, cancel_futures=True))
+                None, functools.partial(self._executor.shutdown, wait=True, cancel_futures=True))
 
     def admit(self) -> Admission:
         """A place for one request, or QueueFull / ShuttingDown at once."""

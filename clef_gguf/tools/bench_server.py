@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,7 @@ import httpx
 
 from clef_gguf.argtypes import megabytes, positive_int
 from clef_gguf.errors import ClefError
+from clef_gguf.server.http import free_port
 
 DISTINCT = 16
 
@@ -96,12 +96,6 @@ def level(url: str, concurrency: int, total: int, expected: list[bytes]) -> dict
             "req_per_s": round(len(latencies) / wall, 2),
             "p50_ms": round(percentile(latencies, 0.50) * 1000, 1) if latencies else None,
             "p95_ms": round(percentile(latencies, 0.95) * 1000, 1) if latencies else None}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(args, log_path: Path) -> tuple[subprocess.Popen, str]:

@@ -4,6 +4,12 @@ The reference side runs the Hugging Face backbone (``last_hidden_state`` and ``l
 rows, spec §2) and the release head; our side runs the GGUF through llama.cpp. Both share the
 encoder and the head code, so every difference comes from the tower and its quantization.
 transformers is only needed here (``pip install 'clef-gguf[parity]'``).
+
+``--per-request`` gives one row per request (tokens, the ``[prefix][state][rest]`` segment lengths,
+the tokens in each segment's last ubatch, max |dp|), so a bound holds per request and a drift is
+traced to the requests and boundaries that carry it; ``--layers`` adds max |dh| after every decoder
+layer against transformers on the same token ids, which names the layer that departs first
+(docs/parity.md).
 """
 
 from __future__ import annotations
@@ -12,13 +18,14 @@ import argparse
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from clef_gguf import errors
 
 # Requests exercising every question type, short and long states, JSON and text: data, not code.
-SAMPLE_REQUESTS = [
+SAMPLE_REQUESTS: list[dict[str, Any]] = [
     {"state": "Invoice INV-2291 for $1,250.00 was due on 2026-10-01 and is still unpaid.",
      "questions": {
          "overdue": {"type": "noul", "instructions": "Is the invoice overdue?"},
@@ -90,9 +97,29 @@ class Reference:
                               dtype=torch.float32)
         self.encoder = Encoder.from_file(release / "tokenizer.json")
 
-    def _text_model(self):
+    def _text_model(self) -> Any:
         base = self.model.model
         return getattr(base, "language_model", base)
+
+    def layer_states(self, ids: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+        """(final hidden [T, n_embd], [output of decoder layer 0 .. n_layer - 2]) for ``ids``."""
+        torch = self.torch
+        text = self._text_model()
+        caught: list[np.ndarray] = []
+
+        def keep(_module: Any, _inputs: Any, output: Any) -> None:
+            hidden = output[0] if isinstance(output, tuple) else output
+            caught.append(hidden[0].float().numpy().copy())
+
+        hooks = [layer.register_forward_hook(keep) for layer in text.layers]
+        try:
+            with torch.inference_mode():
+                x = torch.as_tensor(np.asarray(ids, dtype=np.int64))[None]
+                final = text(input_ids=x, use_cache=False).last_hidden_state[0].float().numpy()
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return final, caught[:-1]
 
     def probabilities(self, request: dict) -> list[np.ndarray]:
         from clef_gguf.answer import split_probabilities
@@ -133,7 +160,60 @@ def compare(ours: list[list[np.ndarray]], ref: list[list[np.ndarray]], *, model:
     return report
 
 
-def run_parity(clef, reference: Reference, requests: list[dict], *, margin: float = 0.01) -> ParityReport:
+@dataclass
+class RequestRow:
+    """One request of the parity set: where its segment boundaries fall and how far it is off."""
+
+    request: int
+    tokens: int
+    prefix: int
+    state: int
+    rest: int
+    tails: dict[str, int]  # tokens in each segment's last ubatch (0: an empty segment)
+    max_abs_dp: float
+    layers: list[float] = field(default_factory=list)  # max |dh| after each layer, then the final state
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def segment_tails(prefix: int, state: int, rest: int, n_batch: int) -> dict[str, int]:
+    """Tokens in the last ubatch of each segment: each is chunked by ``n_batch`` from its own start."""
+    def tail(n: int) -> int:
+        return (n % n_batch or n_batch) if n else 0
+
+    return {"prefix": tail(prefix), "state": tail(state), "rest": tail(rest)}
+
+
+def per_request(clef: Any, reference: Reference, requests: list[dict], *,
+                layers: bool = False) -> list[RequestRow]:
+    """One row per request. Ours is ``Clef.probabilities`` (the production path); with ``layers`` the
+    prompt is decoded once more on the same schedule with every layer's output staged."""
+    from clef_gguf.request import parse_request
+
+    tower = clef.tower
+    if layers and not hasattr(tower, "layer_states"):
+        raise errors.InvalidValue("--layers needs a GGUF tower (llama.cpp's staging API)", field="layers")
+    # A tower that decodes each segment in one piece (nvfp4) has each segment as its own tail.
+    n_batch = getattr(tower, "n_batch", tower.n_ctx)
+    rows = []
+    for i, request in enumerate(requests):
+        enc = reference.encoder.encode(parse_request(request))
+        report = compare([clef.probabilities(request)], [reference.probabilities(request)], model="")
+        prefix, state = enc.prefix_tokens, enc.state_tokens
+        rest = enc.n_tokens - prefix - state
+        row = RequestRow(i, enc.n_tokens, prefix, state, rest,
+                         segment_tails(prefix, state, rest, n_batch), report.max_abs_dp)
+        if layers:
+            ours_final, ours_layers = tower.layer_states(np.asarray(enc.ids), prefix, state)
+            ref_final, ref_layers = reference.layer_states(np.asarray(enc.ids))
+            row.layers = [float(np.abs(a - b).max()) for a, b in zip(ours_layers, ref_layers)]
+            row.layers.append(float(np.abs(ours_final - ref_final).max()))
+        rows.append(row)
+    return rows
+
+
+def run_parity(clef: Any, reference: Reference, requests: list[dict], *, margin: float = 0.01) -> ParityReport:
     ours = [clef.probabilities(r) for r in requests]
     ref = [reference.probabilities(r) for r in requests]
     return compare(ours, ref, model=clef.info["name"] + ":" + clef.info["quant"], margin=margin)
@@ -150,6 +230,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="dtype of the transformers reference (bf16 halves its memory)")
     p.add_argument("--margin", type=float, default=0.01,
                    help="argmax is compared where the reference's top-2 margin exceeds this")
+    p.add_argument("--per-request", action="store_true",
+                   help="one row per request: segment lengths, last-ubatch sizes, max |dp|")
+    p.add_argument("--layers", action="store_true",
+                   help="with --per-request: max |dh| after every decoder layer against transformers")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -159,8 +243,14 @@ def run(args: argparse.Namespace) -> int:
     if not isinstance(requests, list) or not requests:
         raise errors.InvalidValue("--requests must hold a non-empty JSON list of requests",
                                   field="requests")
+    if args.layers and not args.per_request:
+        raise errors.InvalidValue("--layers is a column of --per-request", field="layers")
     reference = Reference(args.release, dtype=args.reference_dtype)
     with load_model(args) as clef:
-        report = run_parity(clef, reference, requests, margin=args.margin)
-    print(json.dumps(report.to_dict(), indent=2))
+        report = run_parity(clef, reference, requests, margin=args.margin).to_dict()
+        if args.per_request:
+            report["attention"] = clef.info.get("attention")
+            report["requests"] = [row.to_dict() for row in
+                                  per_request(clef, reference, requests, layers=args.layers)]
+    print(json.dumps(report, indent=2))
     return 0

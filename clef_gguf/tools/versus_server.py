@@ -28,15 +28,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from clef_gguf.argtypes import positive_int
 from clef_gguf.errors import InferenceError, InvalidValue, Unsupported
+from clef_gguf.server.http import free_port
+
+if TYPE_CHECKING:
+    import httpx
 
 ENV_BINARY = "LLAMA_SERVER"
 # Upstream turns this prefix of its internal markers into "<<clef " wherever it meets it.
@@ -73,7 +77,7 @@ def upstream_request(request: dict) -> dict:
             if None in descriptions.values():
                 raise Unsupported("an explicit null noul description: upstream renders its default "
                                   "text there, the reference none", field=f"{where}.criteria")
-            criteria = {"true": descriptions["true"], "false": descriptions["false"]}
+            criteria: dict[str, Any] | list[Any] = {"true": descriptions["true"], "false": descriptions["false"]}
         elif q.type == "choice":
             if len(q.options) > _MAX_OPTIONS:
                 raise Unsupported(f"upstream takes at most {_MAX_OPTIONS} options", field=f"{where}.criteria")
@@ -148,23 +152,17 @@ def max_abs_dp(ours: dict, theirs: dict) -> tuple[float, str]:
 
 # --------------------------------------------------------------------------- the upstream process
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class LlamaServer:
     """``llama-server`` on a loopback port, its log in a temporary file (shown when it fails)."""
 
     def __init__(self, binary: str, gguf: str, *, threads: int, ubatch: int, n_ctx: int, repack: bool):
-        self.port = _free_port()
+        self.port = free_port()
         self.args = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port),
                      "-t", str(threads), "-tb", str(threads), "-b", str(ubatch), "-ub", str(ubatch),
                      "-c", str(n_ctx), "-np", "1", "--no-webui"] + ([] if repack else ["--no-repack"])
         self.log = tempfile.NamedTemporaryFile(prefix="clef-llama-server-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT)
-        self.http = None
+        self.http: httpx.Client | None = None  # once wait_ready has started
 
     def log_tail(self, n: int = 15) -> str:
         return "\n".join(Path(self.log.name).read_text(errors="replace").splitlines()[-n:])
@@ -172,21 +170,26 @@ class LlamaServer:
     def wait_ready(self, timeout: float = 600.0) -> None:
         import httpx
 
-        self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=3600)
+        self.http = http = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=3600)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise InferenceError(f"llama-server exited with status {self.proc.returncode}:\n{self.log_tail()}")
             try:
-                if self.http.get("/health").status_code == 200:
+                if http.get("/health").status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
         raise InferenceError(f"llama-server was not ready within {timeout:g} s:\n{self.log_tail()}")
 
+    def _client(self) -> httpx.Client:
+        if self.http is None:
+            raise RuntimeError("LlamaServer.wait_ready first")
+        return self.http
+
     def decide(self, body: bytes) -> dict:
-        r = self.http.post("/v1/systemone", content=body, headers={"Content-Type": "application/json"})
+        r = self._client().post("/v1/systemone", content=body, headers={"Content-Type": "application/json"})
         try:
             payload = r.json()
         except ValueError:
@@ -199,7 +202,7 @@ class LlamaServer:
         times = []
         for _ in range(n):
             t0 = time.perf_counter()
-            self.http.get("/health")
+            self._client().get("/health")
             times.append(time.perf_counter() - t0)
         return round(statistics.median(times) * 1e3, 3)
 
@@ -272,7 +275,7 @@ def versus_llama_server(clef, binary: str, native: str, request: dict, state: st
     saved = clef.state_cache
     try:
         server.wait_ready()
-        agreement = {"requests": len(bodies), "max_abs_dp": 0.0, "where": "", "tokens_ours": [],
+        agreement: dict[str, Any] = {"requests": len(bodies), "max_abs_dp": 0.0, "where": "", "tokens_ours": [],
                      "tokens_upstream": []}
         for r, body in zip([request] + reuse, bodies):  # also the warm-up of both sides
             theirs, n_theirs = upstream_probabilities(server.decide(body), r)

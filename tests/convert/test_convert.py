@@ -134,7 +134,9 @@ def test_vocab_is_padded_and_typed(tiny_model_dir, tiny_release):
 def test_llama_tokenizer_agrees_with_tokenizers(tiny_model_dir, tiny_release):
     import llama_cpp as ll
 
-    import clef_gguf.tower  # noqa: F401 - initialises the backend and captures llama.cpp's log
+    from clef_gguf.llama import ensure_backend
+
+    ensure_backend()  # llama.cpp's log to ours, its backend initialised
 
     tok = Tokenizer.from_file(str(tiny_release / "tokenizer.json"))
     params = ll.llama_model_default_params()

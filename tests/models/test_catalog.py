@@ -11,7 +11,7 @@ import pytest
 from clef_gguf.errors import ModelNotFound
 from clef_gguf.models import AUTO, CATALOG_ENV, Catalog, ModelRef, is_catalog_name, load_catalog, parse_name
 
-# The list: BF16 plus the 29 quants of the community GGUF card.
+# BF16 plus the 29 quants of the community GGUF card (shared seeds: clef-flash-gguf-card.md).
 PUBLISHED_30 = ("BF16 Q8_0 Q6_K Q5_1 Q5_K_M Q5_K_S Q5_0 Q4_K_M Q4_1 IQ4_NL Q4_K_S Q4_0 IQ4_XS Q3_K_L Q3_K_M "
                 "IQ3_M IQ3_S Q3_K_S IQ3_XS IQ3_XXS Q2_K Q2_K_S IQ2_M IQ2_S Q2_0 IQ2_XS IQ2_XXS IQ1_M IQ1_S "
                 "Q1_0").split()
@@ -172,13 +172,13 @@ def test_every_seed_file_is_in_the_catalog_and_resolvable_by_name(cat):
 def test_list_available_shows_every_seed_file(monkeypatch, tmp_path, capsys):
     import argparse
 
-    from clef_gguf.models import hub
+    from clef_gguf.models import commands
 
     monkeypatch.delenv(CATALOG_ENV, raising=False)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # no pins yet
     parser = argparse.ArgumentParser()
-    hub.add_list_arguments(parser)
-    assert hub.run_list(parser.parse_args(["--available", "--json"])) == 0
+    commands.add_list_arguments(parser)
+    assert commands.run_list(parser.parse_args(["--available", "--json"])) == 0
     rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
     for quant in PUBLISHED_30:
         row = rows[f"clef-flash:{quant}@nani-nithin"]
@@ -189,6 +189,6 @@ def test_list_available_shows_every_seed_file(monkeypatch, tmp_path, capsys):
     assert not rows["clef-flash:Q4_K_M@nani-nithin"]["default"]
     assert rows["clef-flash:IQ1_S@nani-nithin"]["default"]
     assert rows["clef-flash:Q4_K_M@ggml-org"]["role"] == "native"
-    assert hub.run_list(parser.parse_args(["--available"])) == 0
+    assert commands.run_list(parser.parse_args(["--available"])) == 0
     text = capsys.readouterr().out
     assert sum(f"clef-flash:{q}@nani-nithin " in text for q in PUBLISHED_30) == 30

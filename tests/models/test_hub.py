@@ -5,14 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from pathlib import Path
 
 import pytest
 
 from _fakehub import FakeHub, head_source, point_at, sha256
-from clef_gguf.models import hub
-from clef_gguf.models.device import GiB, DeviceProfile, NoQuantFits
-from clef_gguf.errors import ConversionError, CorruptModel, ModelNotFound
+from clef_gguf.models import commands, hub, listing
+from clef_gguf.models.machine import GiB, DeviceProfile
+from clef_gguf.errors import ConversionError, CorruptModel, ModelNotFound, NoQuantFits
 from clef_gguf.models.catalog import CATALOG_ENV, Catalog
 
 TOWER_REPO, HEAD_REPO, LOOSE_REPO, NATIVE_REPO = (
@@ -98,7 +97,7 @@ def test_pull_lands_in_the_cache_at_the_pinned_revision(fake_hub, cat, tmp_path)
     files.check_exist()
     # every request asked for the pinned commit, never a branch
     assert all(f"/resolve/{TOWER_REV}/" in p or f"/resolve/{HEAD_REV}/" in p for _, p in fake_hub.requests)
-    [local] = hub.list_local(catalog=cat)
+    [local] = listing.list_local(catalog=cat)
     assert (local.name, local.quant, local.commit, local.pinned, local.verified, local.head_ready) == (
         "clef-flash:Q4_K_M@testsrc", "Q4_K_M", TOWER_REV, True, True, True)
     assert local.size_bytes == len(Q4)
@@ -196,7 +195,7 @@ def test_unpinned_source_finds_its_file_in_the_listing_and_pins_it(fake_hub, cat
     assert files.tower.name == "clef-flash-IQ2_XS.gguf" and files.tower.read_bytes() == IQ2
     assert files.revision.startswith(f"{LOOSE_REPO}@{LOOSE_REV}")
     assert files.name == "clef-flash:IQ2_XS@loose"
-    [m] = [m for m in hub.list_local(catalog=cat) if m.source == "loose"]
+    [m] = [m for m in listing.list_local(catalog=cat) if m.source == "loose"]
     assert (m.quant, m.pinned, m.source_pinned, m.pinned_by, m.verified) == (
         "IQ2_XS", True, True, "first pull", True)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # offline, the file is found again from refs/main
@@ -240,7 +239,7 @@ def test_resolve_auto_with_nothing_cached_says_what_to_pull(fake_hub, cat):
 
 def test_a_native_file_that_cannot_be_split_is_refused_and_leaves_nothing(fake_hub, cat, tmp_path):
     # NATIVE is GGUF magic + noise: the split refuses it, and no model directory is left behind.
-    # (tests/models/test_hub_native.py pulls a real native GGUF and decides with it.)
+    # (tests/models/test_native.py pulls a real native GGUF and decides with it.)
     with pytest.raises(ConversionError, match="cannot split the native GGUF"):
         hub.pull("clef-flash:Q4_K_M@native", catalog=cat, progress=False)
     split = tmp_path / "hf" / "clef-gguf" / "split" / f"test-org--Native-GGUF@{NATIVE_REV}"
@@ -254,52 +253,23 @@ def test_cli_pull_and_list(fake_hub, tmp_path, monkeypatch, capsys):
     path.write_text(json.dumps(catalog_dict()))
     monkeypatch.setenv(CATALOG_ENV, str(path))
     pull_parser, list_parser = argparse.ArgumentParser(), argparse.ArgumentParser()
-    hub.add_pull_arguments(pull_parser)
-    hub.add_list_arguments(list_parser)
+    commands.add_pull_arguments(pull_parser)
+    commands.add_list_arguments(list_parser)
 
-    assert hub.run_list(list_parser.parse_args([])) == 0
+    assert commands.run_list(list_parser.parse_args([])) == 0
     assert "no Clef models" in capsys.readouterr().out
-    assert hub.run_pull(pull_parser.parse_args(["clef-flash", "--quant", "Q4_K_M", "--no-progress", "--json"])) == 0
+    assert commands.run_pull(pull_parser.parse_args(
+        ["clef-flash", "--quant", "Q4_K_M", "--no-progress", "--json"])) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["name"] == "clef-flash:Q4_K_M@testsrc" and out["tower"].endswith("Clef-Test-Q4_K_M.gguf")
-    assert hub.run_pull(pull_parser.parse_args(["clef-flash:IQ2_XS", "--no-progress"])) == 0
+    assert commands.run_pull(pull_parser.parse_args(["clef-flash:IQ2_XS", "--no-progress"])) == 0
     assert "no pinned revision" in capsys.readouterr().err
-    assert hub.run_list(list_parser.parse_args([])) == 0
+    assert commands.run_list(list_parser.parse_args([])) == 0
     text = capsys.readouterr().out
     assert "clef-flash:Q4_K_M@testsrc" in text and "ready, verified" in text
     assert "pinned at first pull" in text
-    assert hub.run_list(list_parser.parse_args(["--json"])) == 0
+    assert commands.run_list(list_parser.parse_args(["--json"])) == 0
     assert {m["quant"] for m in json.loads(capsys.readouterr().out)} == {"Q4_K_M", "IQ2_XS"}
-    assert hub.run_list(list_parser.parse_args(["--available"])) == 0
+    assert commands.run_list(list_parser.parse_args(["--available"])) == 0
     assert "clef-flash:Q8_0" in capsys.readouterr().out
 
-
-_STAMPER = """
-import sys
-from pathlib import Path
-from clef_gguf.models import hfcache
-for blob in sys.argv[1:]:
-    hfcache._write_stamp(Path(blob), "ab" * 32, checked=True)
-"""
-
-
-def test_concurrent_processes_keep_each_others_stamps(tmp_path, monkeypatch):
-    import os
-    import subprocess
-    import sys
-
-    from clef_gguf.models import hfcache
-
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    blobs = []
-    for i in range(4 * 25):
-        blob = tmp_path / "blobs" / f"b{i}"
-        blob.parent.mkdir(exist_ok=True)
-        blob.write_bytes(b"x" * i)
-        blobs.append(str(blob))
-    env = {**os.environ, "HF_HOME": str(tmp_path / "hf")}
-    procs = [subprocess.Popen([sys.executable, "-c", _STAMPER, *blobs[k::4]], env=env)
-             for k in range(4)]
-    assert [p.wait(timeout=120) for p in procs] == [0, 0, 0, 0]
-    stamped = {b for b in blobs if hfcache.stamp(Path(b)) is not None}
-    assert stamped == set(blobs)  # without the lock, read-modify-write races dropped entries

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from clef_gguf import Clef, errors, files
+from clef_gguf.answer import split_probabilities
 from clef_gguf.nvfp4 import format as fmt
 from clef_gguf.nvfp4.checkpoint import Checkpoint
 from clef_gguf.tools.parity import SAMPLE_REQUESTS
@@ -120,24 +121,56 @@ def test_segments_and_cache_reuse_give_the_same_bytes(model_dir, scheme):
         assert [json.dumps(strip(r)) for r in got] == [json.dumps(strip(r)) for r in expected + expected[:1]]
         usage = [r["usage"]["cached_tokens"] for r in got]
         assert usage[0] == 0 and usage[1] > 36 and usage[2] == got[2]["usage"]["input_tokens"]
-        # The segmented schedule itself agrees with one whole decode to float rounding.
+        # The segmented schedule itself agrees with one whole decode to float rounding. With W4A4 the
+        # activations are rounded to FP4 codes too: a float-rounding difference between the two
+        # schedules can move one value across a code boundary (which one depends on the CPU's kernels),
+        # and the linear-attention state carries that to every later token. There the decisions made on
+        # the two agree within the scheme's decision gate instead.
         enc = cached.prepare(REQUEST).encoded
         whole = cached.tower.hidden_states(enc.ids)
         seg, _ = plain.tower.forward(enc.ids, enc.prefix_tokens, enc.state_tokens)
-        assert float(np.abs(whole - seg).max()) < 1e-4
+        if scheme == "nvfp4a16":
+            assert float(np.abs(whole - seg).max()) < 1e-4
+        else:
+            apart = [np.abs(a - b).max() for a, b in zip(
+                split_probabilities(plain._head_logits(enc, whole)[0], enc.option_counts),
+                split_probabilities(plain._head_logits(enc, seg)[0], enc.option_counts))]
+            assert float(max(apart)) < MAX_DP[scheme]
+
+
+def test_the_tower_is_a_language_tower_and_runs_many_one_by_one(clef):
+    from clef_gguf.statecache import StateCache
+    from clef_gguf.towers import LanguageTower
+
+    tower = clef.tower
+    assert isinstance(tower, LanguageTower) and tower.pack_size(10) == 1
+    encoded = [clef.prepare(r).encoded for r in (REQUEST, {**REQUEST, "questions": {"bug": {"type": "noul"}}})]
+    prompts = [(e.ids, e.prefix_tokens, e.state_tokens) for e in encoded]
+    prompts.insert(1, (np.array([1, 10**7], dtype=np.int32), 0, 0))  # outside the vocab
+    tower._prefix = None  # both runs start from nothing kept
+    want_cache = StateCache(64 << 20)
+    want = [tower.forward(*p, want_cache) for p in (prompts[0], prompts[2])]
+    tower._prefix = None
+    got = tower.forward_many(prompts, StateCache(64 << 20), pack=4)
+    assert isinstance(got[1], errors.InferenceError) and "outside the vocab" in got[1].message
+    # the second prompt restores the first one's [prefix][state]
+    assert [g[1] for g in (got[0], got[2])] == [w[1] for w in want] == [0, prompts[2][1] + prompts[2][2]]
+    assert all(np.array_equal(g[0], w[0]) for g, w in zip((got[0], got[2]), want))
+    with pytest.raises(errors.InvalidValue):
+        tower.forward_many(prompts, None, pack=0)
 
 
 def test_backend_flag_must_match_the_files(model_dir, tiny_model_dir):
-    with pytest.raises(errors.InvalidValue) as info:
+    with pytest.raises(errors.InvalidSetting) as info:
         Clef.load(model_dir, backend="gguf")
     assert info.value.field == "backend" and "NVFP4" in info.value.message
-    with pytest.raises(errors.InvalidValue) as info:
+    with pytest.raises(errors.InvalidSetting) as info:
         Clef.load(tiny_model_dir, backend="nvfp4")
     assert info.value.field == "backend" and "GGUF" in info.value.message
-    with pytest.raises(errors.InvalidValue) as info:
+    with pytest.raises(errors.InvalidSetting) as info:
         Clef.load(model_dir, backend="fp8")
     assert info.value.field == "backend"
-    with pytest.raises(errors.InvalidValue) as info:
+    with pytest.raises(errors.InvalidSetting) as info:
         Clef.load(model_dir, gpu_layers=3)
     assert info.value.field == "gpu_layers"
 

@@ -20,7 +20,7 @@ import httpx
 import uvicorn
 
 from clef_gguf.server.app import create_app
-from clef_gguf.tools.bench_server import free_port
+from clef_gguf.server.http import free_port
 
 
 def same(response) -> dict:

@@ -200,6 +200,7 @@ def _err(response: httpx.Response) -> tuple:
     (b'{"state": 1, "state": 2, "questions": {"q": {"type": "noul"}}}', "invalid_json", "state"),
     (b'{"state": 1, "questions": {"q": {"type": "noul"}}, "videos": [1]}', "unsupported",
      "videos"),
+    (b'{"state": [' + b"7" * 5000 + b'], "questions": {"q": {"type": "noul"}}}', "invalid_value", "state.0"),
 ])
 def test_422_error_bodies(http, raw, code, field):
     assert _err(http.post("/v1/systemone", content=raw)) == (422, code, field)
@@ -216,7 +217,13 @@ def test_openapi_schema(http):
     assert {"/v1/systemone", "/v1/systemone/batch", "/v1/models", "/health"} <= set(spec["paths"])
     post = spec["paths"]["/v1/systemone"]["post"]
     single, batch = post["requestBody"]["content"]["application/json"]["schema"]["anyOf"]
-    assert "questions" in single["properties"] and len(batch["oneOf"]) == 2
+
+    def resolve(node: dict) -> dict:  # "#/components/schemas/Name" -> its schema
+        return spec["components"]["schemas"][node["$ref"].rsplit("/", 1)[1]] if "$ref" in node \
+            else node
+
+    assert "questions" in resolve(single)["properties"] and len(batch["oneOf"]) == 2
+    assert "cached_tokens" in spec["components"]["schemas"]["Usage"]["required"]
     assert {"200", "413", "422", "429"} <= set(post["responses"])
 
 

@@ -20,7 +20,7 @@ import threading
 import httpx
 import pytest
 
-import clef_gguf.tower as tower_module
+import clef_gguf.llama as tower_module  # the llama.cpp bindings: its ll is llama_cpp
 from clef_gguf import Clef
 from clef_gguf.server import app as server_app
 from server_helpers import raw_post, same, DEADLINE_S, Gated, ThreadServer, request_body, wait_for
@@ -293,8 +293,15 @@ def test_serve_flag_defaults():
     assert args.tokenize_workers == 2 and args.drain_timeout == 300.0
 
 
-@pytest.mark.parametrize("bad", [{"tokenize_workers": 0}, {"drain_timeout": -1.0},
-                                 {"drain_timeout": float("nan")}, {"queue_size": 0}])
-def test_serve_refuses_bad_bounds_before_loading(bad, capsys):
-    assert server_app.run(_serve_args(**bad)) == 2
-    assert "must be >= " in capsys.readouterr().err
+@pytest.mark.parametrize("flag, value, why", [
+    ("--tokenize-workers", "0", "must be at least 1"), ("--drain-timeout", "-1", "must be >= 0"),
+    ("--drain-timeout", "nan", "must be >= 0"), ("--queue-size", "0", "must be at least 1"),
+    ("--max-body-bytes", "0", "must be at least 1"), ("--max-batch", "0", "must be at least 1")])
+def test_serve_refuses_bad_bounds_before_loading(flag, value, why, capsys):
+    parser = argparse.ArgumentParser()
+    server_app.add_arguments(parser)
+    with pytest.raises(SystemExit) as info:
+        parser.parse_args(["--model", "unused", flag, value])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert flag in err and why in err

@@ -14,10 +14,10 @@ import pytest
 
 from _fakehub import FakeHub, point_at, sha256
 from clef_gguf import cli
-from clef_gguf.errors import ModelLoadError
-from clef_gguf.models import hfcache, hub
+from clef_gguf.errors import ModelLoadError, PinMismatch
+from clef_gguf.models import commands, hub, listing
 from clef_gguf.models.catalog import CATALOG_ENV, Catalog
-from clef_gguf.models.hfcache import PinMismatch
+from clef_gguf.models.pins import pin, pins_path, record_pin
 
 SEED_REPO, HEAD_REPO = "NANI-Nithin/clef-flash-GGUF", "Cloudflare/clef-flash"
 C1, C2, HEAD_REV = "1" * 40, "2" * 40, "f" * 40
@@ -78,7 +78,7 @@ def test_every_seed_file_pulls_by_name_and_is_pinned(seed_hub):
             and path.parent.name == C1
             and path.read_bytes() == served(seed_hub, file)
         )
-    pins = json.loads(hfcache.pins_path().read_text())
+    pins = json.loads(pins_path().read_text())
     assert pins["format"] == "clef-gguf-pins/1"
     entry = pins["repos"][SEED_REPO]
     assert entry["commit"] == C1 and entry["pinned_at"]
@@ -92,7 +92,7 @@ def test_first_pull_pins_a_moved_main_is_refused_and_update_accepts_it(seed_hub)
     cat = seed_hub.catalog
     first = hub.pull("clef-flash:Q4_K_M@nani-nithin", catalog=cat, progress=False)
     assert first.tower.parent.name == C1 and first.name == "clef-flash:Q4_K_M@nani-nithin"
-    assert hfcache.pin(SEED_REPO)["commit"] == C1
+    assert pin(SEED_REPO)["commit"] == C1
 
     seed_hub.add(SEED_REPO, C2, seed_files(b"two"))  # main moves on
     with pytest.raises(PinMismatch) as err:
@@ -107,7 +107,7 @@ def test_first_pull_pins_a_moved_main_is_refused_and_update_accepts_it(seed_hub)
     assert not [
         p for m, p in seed_hub.requests if m == "GET" and f"/resolve/{C2}/" in p
     ]  # nothing fetched
-    assert hfcache.pin(SEED_REPO)["commit"] == C1
+    assert pin(SEED_REPO)["commit"] == C1
 
     # resolve (decide / serve / Clef.load) uses the pin, without asking where main is
     before = len(seed_hub.requests)
@@ -120,17 +120,17 @@ def test_first_pull_pins_a_moved_main_is_refused_and_update_accepts_it(seed_hub)
     assert q8.tower.parent.name == C1 and q8.tower.read_bytes() == served(
         seed_hub, "clef-flash-Q8_0.gguf"
     )
-    assert "clef-flash-Q8_0.gguf" in hfcache.pin(SEED_REPO)["files"]
+    assert "clef-flash-Q8_0.gguf" in pin(SEED_REPO)["files"]
 
     updated = hub.pull("clef-flash:Q4_K_M@nani-nithin", catalog=cat, progress=False, update=True)
     assert updated.tower.parent.name == C2
     assert updated.tower.read_bytes() == served(seed_hub, "clef-flash-Q4_K_M.gguf", C2)
-    entry = hfcache.pin(SEED_REPO)
+    entry = pin(SEED_REPO)
     assert entry["commit"] == C2 and list(entry["files"]) == [
         "clef-flash-Q4_K_M.gguf"
     ]  # old hashes gone
     assert hub.resolve("clef-flash:Q4_K_M@nani-nithin", catalog=cat).tower == updated.tower
-    [m] = [m for m in hub.list_local(catalog=cat) if m.commit == C1 and m.quant == "Q4_K_M"]
+    [m] = [m for m in listing.list_local(catalog=cat) if m.commit == C1 and m.quant == "Q4_K_M"]
     assert not m.pinned and m.source_pinned  # the old copy is no longer the pinned revision
 
 
@@ -138,7 +138,7 @@ def test_a_changed_file_at_the_same_name_is_refused(seed_hub, tmp_path):
     cat = seed_hub.catalog
     name = "clef-flash-Q4_K_M.gguf"
     first = hub.pull("clef-flash:Q4_K_M@nani-nithin", catalog=cat, progress=False)
-    pinned = hfcache.pin(SEED_REPO)["files"][name]["sha256"]
+    pinned = pin(SEED_REPO)["files"][name]["sha256"]
     changed = b"GGUF" + os.urandom(3_000)
     seed_hub.repos[SEED_REPO].commits[C1][name] = changed  # same commit, same name, other bytes
 
@@ -158,11 +158,11 @@ def test_a_changed_file_at_the_same_name_is_refused(seed_hub, tmp_path):
             "clef-flash:Q4_K_M@nani-nithin", allow_download=True, catalog=cat, progress=False
         )
     assert len(transfers(seed_hub, name)) == before
-    assert hfcache.pin(SEED_REPO)["files"][name]["sha256"] == pinned
+    assert pin(SEED_REPO)["files"][name]["sha256"] == pinned
 
     accepted = hub.pull("clef-flash:Q4_K_M@nani-nithin", catalog=cat, progress=False, update=True)
     assert accepted.tower.read_bytes() == changed
-    assert hfcache.pin(SEED_REPO)["files"][name]["sha256"] == sha256(changed)
+    assert pin(SEED_REPO)["files"][name]["sha256"] == sha256(changed)
 
 
 def test_update_of_a_cached_file_changed_at_the_same_commit_fetches_the_new_bytes(seed_hub):
@@ -182,7 +182,7 @@ def test_offline_resolve_uses_the_pinned_commit(seed_hub, monkeypatch):
     hub.pull_file(
         "clef-flash:IQ2_M@nani-nithin", catalog=cat, progress=False, update=True
     )  # caches C2
-    hfcache.record_pin(
+    record_pin(
         SEED_REPO,
         C1,
         "clef-flash-IQ2_M.gguf",
@@ -198,17 +198,17 @@ def test_offline_resolve_uses_the_pinned_commit(seed_hub, monkeypatch):
 
 
 def test_the_pin_is_check_and_set(seed_hub):
-    entry = hfcache.record_pin("o/r", C1, "a.gguf", "a" * 64, 1, update=False, name="n")
+    entry = record_pin("o/r", C1, "a.gguf", "a" * 64, 1, update=False, name="n")
     assert entry["commit"] == C1
     with pytest.raises(PinMismatch, match="has moved since its first pull"):
-        hfcache.record_pin("o/r", C2, "a.gguf", "a" * 64, 1, update=False, name="n")
+        record_pin("o/r", C2, "a.gguf", "a" * 64, 1, update=False, name="n")
     with pytest.raises(PinMismatch, match="not using it"):
-        hfcache.record_pin("o/r", C1, "a.gguf", "b" * 64, 1, update=False, name="n")
-    hfcache.record_pin("o/r", C1, "b.gguf", "b" * 64, 1, update=False, name="n")
-    assert set(hfcache.pin("o/r")["files"]) == {"a.gguf", "b.gguf"}
-    hfcache.pins_path().write_text("{half")
+        record_pin("o/r", C1, "a.gguf", "b" * 64, 1, update=False, name="n")
+    record_pin("o/r", C1, "b.gguf", "b" * 64, 1, update=False, name="n")
+    assert set(pin("o/r")["files"]) == {"a.gguf", "b.gguf"}
+    pins_path().write_text("{half")
     with pytest.raises(ModelLoadError, match="cannot read the pins"):
-        hfcache.pin("o/r")
+        pin("o/r")
 
 
 def test_cli_pull_refuses_a_move_with_a_stable_code_and_update_re_pins(seed_hub, capsys):
@@ -231,13 +231,13 @@ def test_cli_pull_refuses_a_move_with_a_stable_code_and_update_re_pins(seed_hub,
     assert json.loads(captured.out)["tower"].endswith(f"{C2}/clef-flash-Q4_K_M.gguf")
 
     parser = argparse.ArgumentParser()
-    hub.add_list_arguments(parser)
-    assert hub.run_list(parser.parse_args(["--available", "--json"])) == 0
+    commands.add_list_arguments(parser)
+    assert commands.run_list(parser.parse_args(["--available", "--json"])) == 0
     row = {r["name"]: r for r in json.loads(capsys.readouterr().out)}[
         "clef-flash:Q4_K_M@nani-nithin"
     ]
     assert (row["revision"], row["pinned_by"]) == (C2, "first pull")
-    assert hub.run_list(parser.parse_args([])) == 0
+    assert commands.run_list(parser.parse_args([])) == 0
     text = capsys.readouterr().out
     assert "clef-flash:Q4_K_M@nani-nithin" in text and "(pinned at first pull) ready" in text
     assert "(not the pinned revision)" in text  # the C1 copy

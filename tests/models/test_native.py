@@ -18,9 +18,9 @@ from _fakehub import FakeHub, point_at, sha256
 from clef_gguf import Clef
 from clef_gguf import files as model_files
 from clef_gguf.convert import split as split_module
-from clef_gguf.models import hfcache, hub
+from clef_gguf.errors import PinMismatch
+from clef_gguf.models import commands, hfcache, hub, listing, pins
 from clef_gguf.models.catalog import CATALOG_ENV, Catalog
-from clef_gguf.models.hfcache import PinMismatch
 
 NATIVE_REPO, HEAD_REPO = "test-org/Clef-Tiny-GGUF", "test-org/clef-tiny"
 NATIVE_REV, NATIVE_REV2, HEAD_REV = "9" * 40, "7" * 40, "8" * 40
@@ -187,7 +187,7 @@ def test_the_split_is_made_once_reused_and_redone_when_its_source_changes(
     assert files.name == NAME and files.revision.startswith(f"{NATIVE_REPO}@{NATIVE_REV}")
     assert splits == [out]
     files.check_exist()
-    [local] = hub.list_local()
+    [local] = listing.list_local()
     assert (local.name, local.head_ready, local.verified, local.pinned_by) == (
         NAME,
         True,
@@ -210,7 +210,7 @@ def test_the_split_is_made_once_reused_and_redone_when_its_source_changes(
     assert len(splits) == 2 and split_path().is_dir()
 
     (out / model_files.TOKENIZER).unlink()  # an incomplete directory is never used
-    assert not hub.list_local()[0].head_ready
+    assert not listing.list_local()[0].head_ready
     assert hub.resolve(NAME).tokenizer.is_file() and len(splits) == 3
 
 
@@ -218,8 +218,8 @@ def test_cli_pull_of_a_native_source_says_it_splits(native_hub, capsys):
     import argparse
 
     parser = argparse.ArgumentParser()
-    hub.add_pull_arguments(parser)
-    assert hub.run_pull(parser.parse_args([NAME, "--no-progress", "--json"])) == 0
+    commands.add_pull_arguments(parser)
+    assert commands.run_pull(parser.parse_args([NAME, "--no-progress", "--json"])) == 0
     captured = capsys.readouterr()
     assert "split once" in captured.err
     out = json.loads(captured.out)
@@ -232,7 +232,7 @@ def test_a_native_source_without_a_revision_is_pinned_and_split_per_commit(
 ):
     cat = Catalog.from_dict(catalog_dict(native_hub.data, revision=None))
     first = hub.pull(NAME, catalog=cat, progress=False)
-    assert first.tower.parent == split_path() and hfcache.pin(NATIVE_REPO)["commit"] == NATIVE_REV
+    assert first.tower.parent == split_path() and pins.pin(NATIVE_REPO)["commit"] == NATIVE_REV
 
     native_hub.add(NATIVE_REPO, NATIVE_REV2, {FILE: native_hub.data})
     with pytest.raises(PinMismatch, match="--update"):

@@ -1,9 +1,9 @@
-"""Device fit: probe this machine, and a pure policy that picks the best quant that fits it.
+"""The placement policy: the best quant that fits a machine, where it runs, and the memory it may use.
 
-``probe()`` reads RAM (psutil, else /proc/meminfo), CPU features (/proc/cpuinfo, else the platform)
-and NVIDIA GPUs (``nvidia-smi``) into a ``DeviceProfile``. ``recommend(profile, family)`` does no
-I/O: given the same profile and catalog it always answers the same, which is what lets the tests
-pin the policy on synthetic machines (8 GB laptop, Raspberry Pi, 24 GB GPU box, ...).
+``recommend(profile, family)`` does no I/O: given the same ``DeviceProfile`` (``machine.probe``) and
+catalog it always answers the same, which is what lets the tests pin the policy on synthetic machines
+(8 GB laptop, Raspberry Pi, 24 GB GPU box, ...). ``gpu_layers`` applies the same rule to a loaded
+tower, and ``free_bytes`` is the one answer to "how much memory may this model use".
 
 Memory model for one decision context (all figures from the catalog's family entry):
   tower file (mmapped, and it must stay resident or every decision pages it back in from disk)
@@ -20,82 +20,25 @@ weights stay 4-bit in memory, which is what their need is budgeted for.
 
 from __future__ import annotations
 
-import json
-import os
-import platform
-import shutil
-import subprocess
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from typing import Any
 
-from clef_gguf.argtypes import positive_int
-from clef_gguf.errors import ModelLoadError
+from clef_gguf.errors import NoQuantFits
+from clef_gguf.limits import CONTEXT_WINDOW
 from clef_gguf.models.catalog import Catalog, Family, load_catalog
+from clef_gguf.models.machine import GPU, DeviceProfile, GiB, MiB, native_fp4
 
-GiB = 1 << 30
-MiB = 1 << 20
-DEFAULT_CONTEXT = 16384  # the reference implementation's window (docs/design/clef-reference.md §11)
+DEFAULT_CONTEXT = CONTEXT_WINDOW
 # A size that is only estimated gets a safety margin, so "fits" stays true when the real file arrives.
 SIZE_MARGIN = {"exact": 1.0, "card": 1.0, "proxy": 1.03, "estimate": 1.10}
 GPU_RESERVE = 512 * MiB  # CUDA context and allocator slack, which never show up as model memory
 # Not picked for CPU placement: llama.cpp's CPU path streams every weight per token, so BF16 costs twice
 # Q8_0's time for agreement Q8_0 already reaches (max |dp| 0.014 vs the bf16 reference, docs/design/landscape.md §6).
 CPU_SKIP = frozenset({"BF16"})
-# Compute capability majors with FP4 tensor cores (docs/design/nvfp4.md §3): sm_100/103 (B200, B300,
-# GB200/GB300), sm_110 (Jetson Thor), sm_120/121 (RTX 50xx, RTX PRO Blackwell, DGX Spark). Hopper (9.0)
-# and older have no FP4 MMA, so the nvfp4 backend dequantizes there (section 4).
-NATIVE_FP4_MAJORS = frozenset({10, 11, 12})
-# Schemes the nvfp4 backend runs on FP4 tensor cores there: an FP4 GEMM needs FP4 activations, so W4A16
-# dequantizes layer by layer on every device (clef_gguf/nvfp4/kernels.py, kernel_name).
+# Schemes the nvfp4 backend runs on FP4 tensor cores (on a GPU ``machine.native_fp4`` accepts): an FP4
+# GEMM needs FP4 activations, so W4A16 dequantizes layer by layer on every device
+# (clef_gguf/nvfp4/kernels.py, kernel_name).
 NATIVE_SCHEMES = frozenset({"W4A4"})
-
-
-class NoQuantFits(ModelLoadError):
-    """No quant of the family fits this machine's memory (the message says what would)."""
-
-    code = "no_quant_fits"
-
-
-@dataclass(frozen=True)
-class GPU:
-    index: int
-    name: str
-    vram_total: int
-    vram_free: int | None = None
-    compute_capability: str | None = None  # "12.0" (nvidia-smi compute_cap); None: not reported
-
-
-@dataclass(frozen=True)
-class DeviceProfile:
-    total_ram: int
-    available_ram: int
-    cpu_count: int = 1
-    arch: str = ""
-    cpu_flags: frozenset[str] = frozenset()
-    gpus: tuple[GPU, ...] = ()
-    # Whether the installed llama.cpp can offload to a GPU; None = unknown (llama_cpp not importable).
-    gpu_offload: bool | None = None
-    label: str = ""
-    backends: tuple[str, ...] = ()  # GPU backends compiled into llama.cpp: CUDA, Metal, Vulkan...
-    unified_memory: bool = False  # Apple silicon: the GPU works in the same RAM as the CPU
-
-    @property
-    def avx2(self) -> bool:
-        return "avx2" in self.cpu_flags
-
-    @property
-    def avx512(self) -> bool:
-        return any(f.startswith("avx512") for f in self.cpu_flags)
-
-    @property
-    def neon(self) -> bool:
-        return bool({"neon", "asimd"} & self.cpu_flags)
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["cpu_flags"] = sorted(self.cpu_flags)
-        d["features"] = {"avx2": self.avx2, "avx512": self.avx512, "neon": self.neon}
-        return d
 
 
 @dataclass(frozen=True)
@@ -159,7 +102,7 @@ class Recommendation:
             raise NoQuantFits(self.reason, field="model")
         return self
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["ok"], d["name"] = self.ok, self.name
         for c in d["candidates"]:
@@ -182,7 +125,22 @@ def host_budget(profile: DeviceProfile) -> int:
                       profile.total_ram - os_reserve(profile.total_ram)))
 
 
-def _gb(n: int) -> str:
+def gpu_free(gpu: GPU) -> int:
+    """Bytes the policy may use on ``gpu``: its free VRAM (its total when the driver does not say),
+    less ``GPU_RESERVE``. 0 MiB free is a full GPU, not an unknown one."""
+    return max(0, (gpu.vram_free if gpu.vram_free is not None else gpu.vram_total) - GPU_RESERVE)
+
+
+def free_bytes(profile: DeviceProfile, on_gpu: bool) -> int:
+    """Bytes a model placed on the GPU (``on_gpu``) or on the host may use: on a discrete GPU the
+    roomiest GPU's ``gpu_free``; otherwise (no GPU, unified memory, or host placement) the host
+    budget."""
+    if on_gpu and profile.gpus and not profile.unified_memory:
+        return max(gpu_free(g) for g in profile.gpus)
+    return host_budget(profile)
+
+
+def gib(n: int) -> str:
     return f"{n / GiB:.2f} GiB"
 
 
@@ -228,14 +186,14 @@ def recommend(profile: DeviceProfile, family: Family | str = "clef-flash", *,
         smallest = min(candidates, key=lambda c: c.need_bytes)
         small_ctx = 2048
         at_small = smallest.need_bytes - kv + mem.kv_bytes_per_token * small_ctx
-        hint = (f" With --ctx {small_ctx} it would need {_gb(at_small)}."
+        hint = (f" With --ctx {small_ctx} it would need {gib(at_small)}."
                 if context_tokens > small_ctx and at_small <= host else "")
         reason = (f"No {family.name} quant fits this machine: the smallest, {smallest.quant} "
                   f"({smallest.size_bytes / 1e9:.2f} GB, {smallest.size_basis} size), needs "
-                  f"{_gb(smallest.need_bytes)} at {ctx} but only {_gb(host)} of RAM is usable "
-                  f"({_gb(profile.available_ram)} available; {_gb(breakdown['free_headroom'])} of it and "
-                  f"{_gb(breakdown['os_reserve'])} of the total kept free)"
-                  + (f" and {_gb(gpu_budget)} of VRAM" if gpu_budget else "") + f".{hint}"
+                  f"{gib(smallest.need_bytes)} at {ctx} but only {gib(host)} of RAM is usable "
+                  f"({gib(profile.available_ram)} available; {gib(breakdown['free_headroom'])} of it and "
+                  f"{gib(breakdown['os_reserve'])} of the total kept free)"
+                  + (f" and {gib(gpu_budget)} of VRAM" if gpu_budget else "") + f".{hint}"
                   " Free memory, use a smaller context, or a machine with more memory.")
         return Recommendation(family.name, None, None, None, context_tokens, host, None, reason,
                               breakdown, tuple(candidates), nvfp4)
@@ -244,18 +202,20 @@ def recommend(profile: DeviceProfile, family: Family | str = "clef-flash", *,
     budget = gpu_budget if placement == "gpu" else host
     need = chosen.need_bytes - (host_side if placement == "gpu" else 0)
     tower = chosen.need_bytes - device_side - host_side
-    parts = (f"tower {_gb(tower)} + KV {_gb(kv)} + recurrent {_gb(rec)} + compute {_gb(mem.compute_bytes)}"
-             + ("" if placement == "gpu" else f" + head {_gb(mem.head_bytes)} + lexical rows "
-                f"{_gb(mem.lexical_rows_bytes)} + runtime {_gb(mem.runtime_bytes)}"))
-    where = (f"{_gb(budget)} of VRAM usable on GPU {gpu.index} ({gpu.name})" if placement == "gpu" else
-             f"{_gb(budget)} of RAM usable ({_gb(profile.available_ram)} available; "
-             f"{_gb(breakdown['free_headroom'])} of it and {_gb(breakdown['os_reserve'])} of the total kept free)")
+    parts = (f"tower {gib(tower)} + KV {gib(kv)} + recurrent {gib(rec)} + compute {gib(mem.compute_bytes)}"
+             + ("" if placement == "gpu" else f" + head {gib(mem.head_bytes)} + lexical rows "
+                f"{gib(mem.lexical_rows_bytes)} + runtime {gib(mem.runtime_bytes)}"))
+    if placement == "gpu" and gpu is not None:  # a GPU placement has a GPU: gpu_budget > 0
+        where = f"{gib(budget)} of VRAM usable on GPU {gpu.index} ({gpu.name})"
+    else:
+        where = (f"{gib(budget)} of RAM usable ({gib(profile.available_ram)} available; "
+                 f"{gib(breakdown['free_headroom'])} of it and {gib(breakdown['os_reserve'])} of the total kept free)")
     reason = (f"{chosen.quant} from {chosen.source} ({chosen.size_bytes / 1e9:.2f} GB, {chosen.size_basis} size)"
-              f" is the best quant that fits: it needs {_gb(need)} at {ctx} ({parts}) of {where}.")
+              f" is the best quant that fits: it needs {gib(need)} at {ctx} ({parts}) of {where}.")
     better = [c for c in candidates[:candidates.index(chosen)] if c.quant not in CPU_SKIP or gpu_budget]
     if better:
         nxt = better[-1]
-        reason += f" The next better, {nxt.quant}, needs {_gb(nxt.need_bytes)}."
+        reason += f" The next better, {nxt.quant}, needs {gib(nxt.need_bytes)}."
     if placement == "cpu" and candidates[0].quant in CPU_SKIP and candidates[0].need_bytes <= host:
         reason += " BF16 is not picked for CPU (twice Q8_0's bytes per token for no measured gain)."
     skipped = [c.quant for c in candidates[:candidates.index(chosen)] if c.fits]
@@ -273,15 +233,6 @@ def recommend(profile: DeviceProfile, family: Family | str = "clef-flash", *,
     reason += _cpu_note(profile, placement)
     return Recommendation(family.name, chosen.quant, chosen.source, placement, context_tokens, budget, need,
                           reason, breakdown, tuple(candidates), nvfp4)
-
-
-def native_fp4(gpu: GPU) -> bool | None:
-    """True: the GPU has FP4 tensor cores (Blackwell); False: it has none; None: compute capability
-    not reported (an old driver), so nobody can tell."""
-    try:
-        return int(str(gpu.compute_capability).split(".")[0]) in NATIVE_FP4_MAJORS
-    except ValueError:
-        return None
 
 
 def fp4_note(gpu: GPU) -> str:
@@ -322,11 +273,10 @@ def checkpoint_candidates(profile: DeviceProfile, family: Family, *, context_tok
     # PyTorch uses the GPU whatever llama.cpp's build can do; Apple's unified-memory GPU is not CUDA.
     gpus = () if profile.unified_memory else profile.gpus
     out = []
-    for src in family.checkpoint_sources:
-        ck = src.checkpoint
+    for src, ck in family.checkpoints:
         size, basis = ck.known_size() or (None, None)
         name = f"{family.name}:{ck.quant}"
-        common = dict(name=name, quant=ck.quant, source=src.alias, repo=src.repo, size_bytes=size,
+        common: dict[str, Any] = dict(name=name, quant=ck.quant, source=src.alias, repo=src.repo, size_bytes=size,
                       size_basis=basis)
         stored = ck.quantized_weights_bytes + ck.bf16_weights_bytes
         if not gpus:
@@ -335,21 +285,21 @@ def checkpoint_candidates(profile: DeviceProfile, family: Family, *, context_tok
                 **common, mode="cpu", gpu=None, need_bytes=need, budget_bytes=host, fits=need <= host,
                 suitable=False, reason=(f"{name} ({ck.scheme}) is not suitable here: no CUDA GPU, so the nvfp4 "
                                         "backend would run its dequantizing fallback on the CPU (slow; "
-                                        f"{_gb(need)} of RAM at {ctx}); use a GGUF quant.")))
+                                        f"{gib(need)} of RAM at {ctx}); use a GGUF quant.")))
             continue
         options = []
         for gpu in gpus:
             native, how = _mode_note(gpu, ck.scheme)
             need = stored + (0 if native else ck.dequant_scratch_bytes) + extras
-            budget = max(0, (gpu.vram_free if gpu.vram_free is not None else gpu.vram_total) - GPU_RESERVE)
+            budget = gpu_free(gpu)
             options.append((need <= budget and host_side <= host, native, budget, gpu, need, how))
         fits, native, budget, gpu, need, how = max(options, key=lambda o: o[:3])
-        parts = (f"packed FP4 {_gb(ck.quantized_weights_bytes)} + bf16 embeddings {_gb(ck.bf16_weights_bytes)}"
-                 + ("" if native else f" + one dequantized layer {_gb(ck.dequant_scratch_bytes)}")
-                 + f" + head {_gb(mem.head_bytes)} + KV and recurrent state {_gb(state)}"
-                 + f" + compute {_gb(mem.compute_bytes)}")
+        parts = (f"packed FP4 {gib(ck.quantized_weights_bytes)} + bf16 embeddings {gib(ck.bf16_weights_bytes)}"
+                 + ("" if native else f" + one dequantized layer {gib(ck.dequant_scratch_bytes)}")
+                 + f" + head {gib(mem.head_bytes)} + KV and recurrent state {gib(state)}"
+                 + f" + compute {gib(mem.compute_bytes)}")
         reason = (f"{name} ({ck.scheme}, by name only) {'fits' if fits else 'does not fit'}: {how}; it needs "
-                  f"{_gb(need)} of GPU memory at {ctx} ({parts}) of {_gb(budget)} usable on GPU {gpu.index} "
+                  f"{gib(need)} of GPU memory at {ctx} ({parts}) of {gib(budget)} usable on GPU {gpu.index} "
                   f"({gpu.name}).")
         if fits and not native:
             reason += (" Slower than FP4 tensor cores" + (", with W4A4's activations fake-quantized (same numbers)."
@@ -362,12 +312,11 @@ def checkpoint_candidates(profile: DeviceProfile, family: Family, *, context_tok
 
 def _gpu_budget(profile: DeviceProfile) -> tuple[GPU | None, int]:
     """The roomiest GPU and the bytes usable on it (0 when llama.cpp cannot offload)."""
-    gpu = max(profile.gpus, key=lambda g: g.vram_free or g.vram_total, default=None)
+    gpu = max(profile.gpus, key=gpu_free, default=None)
     if gpu is None or profile.gpu_offload is False:
         return gpu, 0
-    if profile.unified_memory:  # the GPU's memory is the RAM the host budget already counts
-        return gpu, host_budget(profile)
-    return gpu, max(0, (gpu.vram_free if gpu.vram_free is not None else gpu.vram_total) - GPU_RESERVE)
+    # Unified memory: the GPU's memory is the RAM the host budget already counts (free_bytes says so).
+    return gpu, free_bytes(profile, on_gpu=True)
 
 
 def _fits(profile: DeviceProfile, tower: int, device_side: int, host_side: int,
@@ -408,154 +357,3 @@ def _cpu_note(profile: DeviceProfile, placement: str) -> str:
     if machine in ("aarch64", "arm64") and profile.neon:
         return " ARM with NEON: Q4_0 gets llama.cpp's repacked ARM kernels and may run faster."
     return ""
-
-
-# ---------------------------------------------------------------- probe (I/O lives only below)
-
-def probe(*, check_llama: bool = True) -> DeviceProfile:
-    """This machine's RAM, CPU features, NVIDIA GPUs and llama.cpp GPU offload support."""
-    total, available = _ram()
-    apple = platform.system() == "Darwin" and platform.machine().lower() in ("arm64", "aarch64")
-    gpus = (GPU(0, "Apple silicon GPU (Metal, unified memory)", total, available),) if apple \
-        else _nvidia_gpus()
-    return DeviceProfile(total_ram=total, available_ram=available, cpu_count=os.cpu_count() or 1,
-                         arch=platform.machine(), cpu_flags=_cpu_flags(), gpus=gpus,
-                         gpu_offload=_llama_gpu_offload() if check_llama else None,
-                         label=platform.node() or "this machine",
-                         backends=llama_backends() if check_llama else (),
-                         unified_memory=apple)
-
-
-def _ram() -> tuple[int, int]:
-    try:
-        import psutil
-        vm = psutil.virtual_memory()
-        return int(vm.total), int(vm.available)
-    except Exception:  # psutil missing or unsupported platform: fall back to the kernel's own numbers
-        pass
-    try:
-        info = {}
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            key, _, rest = line.partition(":")
-            info[key] = int(rest.split()[0]) * 1024
-        return info["MemTotal"], info.get("MemAvailable", info.get("MemFree", 0))
-    except (OSError, KeyError, ValueError, IndexError):
-        pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
-        return pages * size, pages * size
-
-
-def _cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
-    try:
-        for line in cpuinfo.read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() in ("flags", "Features"):  # x86 / ARM spelling
-                flags = set(value.split())
-                if "asimd" in flags:
-                    flags.add("neon")  # AArch64 reports NEON as Advanced SIMD
-                return frozenset(flags)
-    except OSError:
-        pass
-    # macOS and others: every AArch64 CPU has NEON; nothing is claimed for x86 without /proc.
-    return frozenset({"neon"}) if platform.machine().lower() in ("arm64", "aarch64") else frozenset()
-
-
-GPU_QUERY = "index,name,memory.total,memory.free"
-
-
-def _nvidia_gpus() -> tuple[GPU, ...]:
-    exe = shutil.which("nvidia-smi")
-    if not exe:
-        return ()
-    out = None
-    # compute_cap (whether the GPU has FP4 tensor cores) is a newer field: a driver that does not
-    # know it rejects the whole query, so ask again without it rather than lose the GPUs.
-    for query in (GPU_QUERY + ",compute_cap", GPU_QUERY):
-        try:
-            out = subprocess.run([exe, f"--query-gpu={query}", "--format=csv,noheader,nounits"],
-                                 capture_output=True, text=True, timeout=10, check=True).stdout
-            break
-        except (OSError, subprocess.SubprocessError):
-            continue
-    if out is None:
-        return ()
-    gpus = []
-    for line in out.strip().splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        try:
-            cc = parts[4] if len(parts) > 4 and parts[4] not in ("", "[N/A]") else None
-            gpus.append(GPU(int(parts[0]), parts[1], int(float(parts[2])) * MiB,
-                            int(float(parts[3])) * MiB if parts[3] not in ("", "[N/A]") else None, cc))
-        except (IndexError, ValueError):
-            continue  # MIG or odd drivers print [N/A]; skip rather than guess
-    return tuple(gpus)
-
-
-def llama_backends() -> tuple[str, ...]:
-    """The GPU backends of the installed llama.cpp build, from its system info line
-    (``CPU : AVX2 = 1 | ... | CUDA : ARCHS = 890 | ...``)."""
-    try:
-        import llama_cpp
-        info = llama_cpp.llama_print_system_info().decode("utf-8", "replace")
-    except Exception:
-        return ()
-    names = [seg.split(" : ")[0].strip() for seg in info.split("|") if " : " in seg]
-    return tuple(n for n in names if n and n.upper() != "CPU")
-
-
-def _llama_gpu_offload() -> bool | None:
-    try:
-        import llama_cpp
-        return bool(llama_cpp.llama_supports_gpu_offload())
-    except Exception:
-        return None
-
-
-# ---------------------------------------------------------------- CLI: clef-gguf pick
-
-def add_arguments(parser) -> None:
-    parser.add_argument("--family", default="clef-flash", help="model family (default: clef-flash)")
-    parser.add_argument("--ctx", type=positive_int, default=DEFAULT_CONTEXT,
-                        help=f"context tokens to budget KV for (default: {DEFAULT_CONTEXT})")
-    parser.add_argument("--json", action="store_true", help="print the probe and recommendation as JSON")
-    parser.epilog = ("The recommendation is a GGUF quant. pick also lists the family's NVFP4 checkpoints "
-                     "(clef-flash:nvfp4a16, clef-flash:nvfp4, clef:nvfp4; the nvfp4 backend, PyTorch on "
-                     "CUDA) with their GPU memory need, and says whether this GPU runs FP4 natively "
-                     "(Blackwell, compute capability 10.x/11.x/12.x: W4A4 on FP4 tensor cores) or through "
-                     "the dequantizing fallback (other GPUs, and W4A16 everywhere). They are never chosen "
-                     "automatically: pull one by name.")
-
-
-def run(args) -> int:
-    """``clef-gguf pick``: print this machine's profile and the recommended quant; 1 if nothing fits."""
-    profile = probe()
-    rec = recommend(profile, args.family, context_tokens=args.ctx)
-    if args.json:
-        print(json.dumps({"device": profile.to_dict(), "recommendation": rec.to_dict()}, indent=2))
-        return 0 if rec.ok else 1
-    feats = [n for n, on in (("AVX2", profile.avx2), ("AVX-512", profile.avx512), ("NEON", profile.neon)) if on]
-    print(f"RAM:  {_gb(profile.total_ram)} total, {_gb(profile.available_ram)} available")
-    print(f"CPU:  {profile.arch}, {profile.cpu_count} threads, features: {', '.join(feats) or 'none detected'}")
-    if profile.gpus:
-        for g in profile.gpus:
-            free = f", {_gb(g.vram_free)} free" if g.vram_free is not None else ""
-            fp4 = "" if profile.unified_memory else f"; NVFP4: {fp4_note(g)}"
-            print(f"GPU:  {g.index}: {g.name}, {_gb(g.vram_total)} VRAM{free}{fp4}")
-        offload = {True: "yes", False: "no (CPU-only build)", None: "unknown"}[profile.gpu_offload]
-        print(f"      llama.cpp GPU offload: {offload}")
-    else:
-        print("GPU:  none")
-    print(f"llama.cpp backends: {', '.join(('CPU',) + profile.backends)}"
-          + ("" if profile.backends else " (a CPU-only build; see README for CUDA/Metal/Vulkan)"))
-    print()
-    if rec.ok:
-        print(f"Recommended: {rec.name} (on {rec.placement.upper()})")
-    else:
-        print("Recommended: nothing fits")
-    print(rec.reason)
-    if rec.nvfp4:
-        print()
-        print("NVFP4 checkpoints (nvfp4 backend; pulled by name, never chosen automatically):")
-        for c in rec.nvfp4:
-            mark = "+" if c.suitable else "-"
-            print(f"  {mark} {c.reason}")
-    return 0 if rec.ok else 1

@@ -16,12 +16,11 @@ from importlib import resources
 import pytest
 
 from _fakehub import FakeHub, head_source, nvfp4_checkpoint, point_at, sha256
-from clef_gguf.errors import CorruptModel, ModelNotFound
+from clef_gguf.errors import CorruptModel, ModelNotFound, PinMismatch
 from clef_gguf.files import from_directory
-from clef_gguf.models import device, hfcache, hub
+from clef_gguf.models import commands, hub, listing, pins, placement
 from clef_gguf.models.catalog import CATALOG_ENV, Catalog
-from clef_gguf.models.device import GiB, DeviceProfile
-from clef_gguf.models.hfcache import PinMismatch
+from clef_gguf.models.machine import GiB, DeviceProfile
 
 HEAD_REPO, TOWER_REPO = "test-org/clef-flash", "test-org/clef-flash-GGUF"
 W4A4_REPO, W4A16_REPO, BROKEN_REPO = "test-org/clef-flash-NVFP4", "test-org/clef-flash-NVFP4A16", "test-org/broken"
@@ -130,7 +129,7 @@ def test_a_repo_without_head_files_takes_them_from_the_release_and_is_pinned_at_
     assert files.head_weights.parent.name == HEAD_REV and files.head_config.parent.name == HEAD_REV
     assert files.revision == f"{W4A16_REPO}@{C1}; {HEAD_REPO}@{HEAD_REV}"
     files.check_exist()
-    entry = hfcache.pin(W4A16_REPO)
+    entry = pins.pin(W4A16_REPO)
     repo = served(fake_hub, W4A16_REPO, C1)
     assert entry["commit"] == C1
     assert entry["files"] == {n: {"sha256": sha256(repo[n]), "size": len(repo[n])}
@@ -147,7 +146,7 @@ def test_a_moved_main_is_refused_until_update_and_resolve_keeps_the_pin(fake_hub
     assert hub.resolve("clef-flash:nvfp4a16", allow_download=True, catalog=cat).tower == first.tower
     assert len(fake_hub.requests) == before  # the pinned, cached checkpoint: no request at all
     updated = hub.pull("clef-flash:nvfp4a16", catalog=cat, progress=False, update=True)
-    assert updated.tower.parent.name == C2 and hfcache.pin(W4A16_REPO)["commit"] == C2
+    assert updated.tower.parent.name == C2 and pins.pin(W4A16_REPO)["commit"] == C2
     assert updated.tower.parent.joinpath("model.safetensors").read_bytes() == \
         served(fake_hub, W4A16_REPO, C2)["model.safetensors"]
 
@@ -232,7 +231,7 @@ def test_a_corrupted_shard_is_caught_and_removed(fake_hub, cat, tmp_path):
 def test_list_shows_pulled_checkpoints(fake_hub, cat):
     hub.pull("clef-flash:nvfp4", catalog=cat, progress=False)
     hub.pull("clef-flash:nvfp4a16", catalog=cat, progress=False)
-    rows = {m.name: m for m in hub.list_local(catalog=cat)}
+    rows = {m.name: m for m in listing.list_local(catalog=cat)}
     w4a4, w4a16 = rows["clef-flash:NVFP4@nvfp4"], rows["clef-flash:NVFP4A16@nvfp4a16"]
     repo = served(fake_hub, W4A4_REPO, W4A4_REV)
     assert (w4a4.backend, w4a4.quant, w4a4.commit, w4a4.pinned, w4a4.pinned_by, w4a4.file) == (
@@ -245,7 +244,7 @@ def test_list_shows_pulled_checkpoints(fake_hub, cat):
     assert hub.resolve("clef-flash", allow_download=True, catalog=cat, profile=BIG,
                        progress=False).name == "clef-flash:Q4_K_M@testsrc"
     (w4a4.path / "model-00002-of-00002.safetensors").unlink()  # a shard lost: incomplete
-    assert not {m.name: m for m in hub.list_local(catalog=cat)}["clef-flash:NVFP4@nvfp4"].head_ready
+    assert not {m.name: m for m in listing.list_local(catalog=cat)}["clef-flash:NVFP4@nvfp4"].head_ready
 
 
 def test_names_and_auto(cat, fake_hub):
@@ -266,19 +265,19 @@ def test_cli_pull_list_and_help(fake_hub, cat, tmp_path, monkeypatch, capsys):
     path.write_text(json.dumps(catalog_dict()))
     monkeypatch.setenv(CATALOG_ENV, str(path))
     pull_parser, list_parser = argparse.ArgumentParser(), argparse.ArgumentParser()
-    hub.add_pull_arguments(pull_parser)
-    hub.add_list_arguments(list_parser)
+    commands.add_pull_arguments(pull_parser)
+    commands.add_list_arguments(list_parser)
     assert "clef-flash:nvfp4a16" in pull_parser.format_help() and "NVFP4" in list_parser.format_help()
 
-    assert hub.run_pull(pull_parser.parse_args(["clef-flash:nvfp4a16", "--no-progress", "--json"])) == 0
+    assert commands.run_pull(pull_parser.parse_args(["clef-flash:nvfp4a16", "--no-progress", "--json"])) == 0
     captured = capsys.readouterr()
     out = json.loads(captured.out)
     assert out["backend"] == "nvfp4" and out["tower"].endswith(f"{C1}/config.json")
     assert "compressed-tensors NVFP4 W4A16 checkpoint" in captured.err and "no pinned revision" in captured.err
-    assert hub.run_list(list_parser.parse_args([])) == 0
+    assert commands.run_list(list_parser.parse_args([])) == 0
     assert "clef-flash:NVFP4A16@nvfp4a16" in (text := capsys.readouterr().out)
     assert "ready, verified (nvfp4 checkpoint)" in text
-    assert hub.run_list(list_parser.parse_args(["--available", "--json"])) == 0
+    assert commands.run_list(list_parser.parse_args(["--available", "--json"])) == 0
     rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
     assert (rows["clef-flash:NVFP4A16@nvfp4a16"]["revision"], rows["clef-flash:NVFP4@nvfp4"]["revision"]) == (
         C1, W4A4_REV)
@@ -288,8 +287,8 @@ def test_list_available_shows_the_packaged_nvfp4_sources(monkeypatch, tmp_path, 
     monkeypatch.delenv(CATALOG_ENV, raising=False)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     parser = argparse.ArgumentParser()
-    hub.add_list_arguments(parser)
-    assert hub.run_list(parser.parse_args(["--available", "--json"])) == 0
+    commands.add_list_arguments(parser)
+    assert commands.run_list(parser.parse_args(["--available", "--json"])) == 0
     rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
     expected = {"clef-flash:NVFP4A16@nvfp4a16": ("myroslavtryhubets/clef-flash-NVFP4A16", 9.1e9, "proxy"),
                 "clef-flash:NVFP4@nvfp4": ("myroslavtryhubets/clef-flash-NVFP4", 9.1e9, "card"),
@@ -300,7 +299,7 @@ def test_list_available_shows_the_packaged_nvfp4_sources(monkeypatch, tmp_path, 
             "nvfp4", "nvfp4", repo, size, basis)
         assert row["default"] and (row["revision"], row["pinned_by"]) == (None, None)
     assert {r["backend"] for n, r in rows.items() if n not in expected} == {"gguf"}
-    assert hub.run_list(parser.parse_args(["--available"])) == 0
+    assert commands.run_list(parser.parse_args(["--available"])) == 0
     text = capsys.readouterr().out
     assert "clef-flash:NVFP4A16@nvfp4a16" in text and "myroslavtryhubets/clef-NVFP4" in text
     assert "? GB (unknown" in text and "nvfp4 backend" in text
@@ -320,7 +319,7 @@ def test_the_packaged_checkpoints_parse_and_never_enter_auto():
         ck = src.checkpoint
         assert ck.quantized_weights_bytes > ck.bf16_weights_bytes > ck.dequant_scratch_bytes > 0
     assert not set(flash.checkpoint_quants()) & set(flash.quants())
-    rec = device.recommend(BIG, flash)
+    rec = placement.recommend(BIG, flash)
     assert rec.quant in flash.quants() and {c.quant for c in rec.candidates} == set(flash.quants())
 
 

@@ -1,15 +1,16 @@
-"""Device fit: the pure policy on synthetic machines, and the probe / `pick` on this one."""
+"""The placement policy on synthetic machines: the quant that fits, where it runs, and the memory it may use."""
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
 
-from clef_gguf.models import device
-from clef_gguf.models.device import GPU, GiB, DeviceProfile, NoQuantFits, recommend
-from clef_gguf.models import Catalog
+from clef_gguf.errors import NoQuantFits
+from clef_gguf.models import Catalog, placement
+from clef_gguf.models.machine import GPU, GiB, MiB, DeviceProfile
+from clef_gguf.models.placement import recommend
+
 
 X86 = frozenset({"avx2", "fma", "sse4_2"})
 PROFILES = {
@@ -121,69 +122,6 @@ def test_recommendation_serialises(cat):
     assert all("fits" in c for c in d["candidates"])
 
 
-def test_probe_on_this_machine_is_sane():
-    p = device.probe()
-    assert p.total_ram > 256 * 1024 * 1024 and 0 < p.available_ram <= p.total_ram
-    assert p.cpu_count >= 1 and p.arch
-    assert p.gpu_offload in (True, False, None)
-    for g in p.gpus:
-        assert g.vram_total > 0
-    json.dumps(p.to_dict())
-
-
-def test_meminfo_fallback_parses(monkeypatch):
-    import builtins
-    real_import = builtins.__import__
-
-    def no_psutil(name, *args, **kwargs):
-        if name == "psutil":
-            raise ImportError("hidden for the test")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_psutil)
-    total, available = device._ram()
-    assert total > 0 and 0 < available <= total
-
-
-@pytest.mark.parametrize("as_json", [False, True])
-def test_pick_command_on_this_machine(capsys, as_json):
-    parser = argparse.ArgumentParser()
-    device.add_arguments(parser)
-    code = device.run(parser.parse_args(["--json"] if as_json else []))
-    out = capsys.readouterr().out
-    if as_json:
-        data = json.loads(out)
-        assert data["device"]["total_ram"] > 0 and "avx2" in data["device"]["features"]
-        rec = data["recommendation"]
-        assert rec["family"] == "clef-flash" and rec["context_tokens"] == 16384
-        assert code == (0 if rec["ok"] else 1) and len(rec["candidates"]) >= 30
-    else:
-        assert out.startswith("RAM:") and "CPU:" in out and "GPU:" in out and "Recommended:" in out
-        assert code in (0, 1)
-
-
-def test_nvidia_smi_output_is_parsed(tmp_path, monkeypatch):
-    smi = tmp_path / "nvidia-smi"
-    smi.write_text("#!/bin/sh\nprintf '0, NVIDIA H200, 143771, 143000\\n1, Tesla T4, 15360, [N/A]\\n'\n")
-    smi.chmod(0o755)
-    monkeypatch.setenv("PATH", str(tmp_path))
-    h200, t4 = device._nvidia_gpus()
-    assert (h200.index, h200.name, h200.vram_total, h200.vram_free) == (0, "NVIDIA H200", 143771 << 20, 143000 << 20)
-    assert (t4.name, t4.vram_total, t4.vram_free) == ("Tesla T4", 15360 << 20, None)
-    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
-    assert device._nvidia_gpus() == ()
-
-
-def test_cpu_flags_from_x86_and_arm_cpuinfo(tmp_path):
-    x86 = tmp_path / "x86"
-    x86.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx avx2 avx512f\n")
-    arm = tmp_path / "arm"
-    arm.write_text("processor\t: 0\nFeatures\t: fp asimd evtstrm crc32 cpuid\n")
-    assert {"avx2", "avx512f"} <= device._cpu_flags(x86)
-    arm_profile = DeviceProfile(8 * GiB, 6 * GiB, 4, "aarch64", device._cpu_flags(arm))
-    assert arm_profile.neon and not arm_profile.avx2
-
-
 MAC = DeviceProfile(16 * GiB, 12 * GiB, 10, "arm64", frozenset({"neon"}),
                     (GPU(0, "Apple silicon GPU (Metal, unified memory)", 16 * GiB, 12 * GiB),), True,
                     backends=("Metal",), unified_memory=True)
@@ -198,7 +136,7 @@ def test_runtime_placement_agrees_with_pick(cat, name):
         return
     family = cat.family("clef-flash")
     size, basis = family.tower_size(rec.quant)
-    layers = device.gpu_layers(profile, int(size * device.SIZE_MARGIN[basis]), family)
+    layers = placement.gpu_layers(profile, int(size * placement.SIZE_MARGIN[basis]), family)
     assert (layers == -1) == (rec.placement == "gpu"), (rec.placement, layers)
     if profile.gpu_offload is not True:
         assert layers == 0
@@ -208,24 +146,30 @@ def test_apple_silicon_uses_metal_in_unified_memory(cat):
     rec = recommend(MAC, "clef-flash", catalog=cat)
     assert rec.placement == "gpu"
     # unified memory: GPU placement still has to fit the one RAM budget, host side included
-    assert rec.need_bytes + cat.family("clef-flash").memory.head_bytes <= device.host_budget(MAC)
-    too_big = device.gpu_layers(MAC, 20 * GiB, "clef-flash", catalog=cat)
+    assert rec.need_bytes + cat.family("clef-flash").memory.head_bytes <= placement.host_budget(MAC)
+    too_big = placement.gpu_layers(MAC, 20 * GiB, "clef-flash", catalog=cat)
     assert too_big == 0
 
 
 def test_a_tower_too_big_for_the_gpu_stays_on_the_cpu(cat):
     box = PROFILES["24 GB GPU box"]
-    assert device.gpu_layers(box, 5 * GiB, "clef-flash", catalog=cat) == -1
-    assert device.gpu_layers(box, 30 * GiB, "clef-flash", catalog=cat) == 0
+    assert placement.gpu_layers(box, 5 * GiB, "clef-flash", catalog=cat) == -1
+    assert placement.gpu_layers(box, 30 * GiB, "clef-flash", catalog=cat) == 0
     no_build = DeviceProfile(**{**box.__dict__, "gpu_offload": False})
-    assert device.gpu_layers(no_build, 5 * GiB, "clef-flash", catalog=cat) == 0
+    assert placement.gpu_layers(no_build, 5 * GiB, "clef-flash", catalog=cat) == 0
 
 
-def test_backends_come_from_llama_cpps_system_info(monkeypatch):
-    import llama_cpp
-
-    monkeypatch.setattr(llama_cpp, "llama_print_system_info", lambda: (
-        b"CPU : SSE3 = 1 | AVX2 = 1 | CUDA : ARCHS = 890 | USE_GRAPHS = 1 | Metal : EMBED = 1 | "))
-    assert device.llama_backends() == ("CUDA", "Metal")
-    monkeypatch.setattr(llama_cpp, "llama_print_system_info", lambda: b"CPU : AVX2 = 1 | ")
-    assert device.llama_backends() == ()
+def test_free_bytes_is_the_roomiest_gpu_less_the_reserve_or_the_host_budget():
+    full, unknown = GPU(0, "full", 24 * GiB, 0), GPU(1, "unreported", 8 * GiB, None)
+    box = DeviceProfile(64 * GiB, 50 * GiB, 16, "x86_64", X86, (full, unknown), True)
+    # 0 MiB free is a full GPU, not an unknown one; an unreported free figure counts the total
+    assert placement.gpu_free(full) == 0
+    assert placement.free_bytes(box, on_gpu=True) == 8 * GiB - placement.GPU_RESERVE
+    assert placement.free_bytes(box, on_gpu=False) == placement.host_budget(box)
+    tiny = DeviceProfile(**{**box.__dict__, "gpus": (GPU(0, "tiny", 256 * MiB, 256 * MiB),)})
+    assert placement.free_bytes(tiny, on_gpu=True) == 0
+    # no GPU, or unified memory: the host budget either way
+    cpu = DeviceProfile(16 * GiB, 12 * GiB, 8, "x86_64", X86)
+    assert placement.free_bytes(cpu, on_gpu=True) == placement.host_budget(cpu)
+    assert placement.free_bytes(cpu, on_gpu=False) == placement.host_budget(cpu)
+    assert placement.free_bytes(MAC, on_gpu=True) == placement.host_budget(MAC)

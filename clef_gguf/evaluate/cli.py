@@ -1,0 +1,187 @@
+"""``clef-gguf eval``: metrics of one or more models on labelled records, side by side.
+
+One model writes ``DIR/predictions.jsonl`` (clef-finetune's rows), ``DIR/metrics.json``
+(clef-finetune's ``summarize`` plus ``per_type``, ``reliability`` and record counts),
+``DIR/errors.jsonl``, ``DIR/summary.json`` and ``DIR/report.md``. Several models (the first is the
+reference) each get those files in ``DIR/<model>/``, loaded one at a time, and the top level gets
+the comparison: ``summary.json``, ``report.md`` and, with ``--plots``, ``reliability.png`` and
+``tradeoff.png``. Rerunning the same command resumes: finished models are not loaded again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from clef_gguf import errors
+from clef_gguf.argtypes import positive_int
+from clef_gguf.cli_options import add_model_arguments, load_model
+from clef_gguf.evaluate import agreement, demo, metrics, plots, predict, report, stats
+from clef_gguf.evaluate import records as labelled
+from clef_gguf.files import sha256_file
+from clef_gguf.runtime import Clef
+
+FORMAT = "clef-gguf-eval/1"
+
+
+def add_model_list(p: argparse.ArgumentParser, what: str) -> None:
+    """The shared model flags, with ``--model`` (and ``--calibration``) given once per model."""
+    add_model_arguments(p)
+    # the two flags below replace the shared single-model ones
+    g = p.add_argument_group("models", conflict_handler="resolve")
+    g.add_argument("--model", "-m", action="append", required=True, metavar="MODEL",
+                   help=f"{what}: a converted model directory, a .gguf next to its head files, "
+                        "or a catalog name such as clef-flash:Q4_K_M")
+    g.add_argument("--calibration", action="append", metavar="CAL.json",
+                   help="a `clef-gguf calibrate` file to apply: once for every model, or once "
+                        "per --model in the same order (none: no calibration for that model)")
+
+
+def add_eval_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_list(p, "the model to evaluate; give --model several times to compare quants side "
+                      "by side (the first is the reference; they are loaded one at a time)")
+    g = p.add_argument_group("eval")
+    g.add_argument("--data", "-d", required=True, metavar="FILE.jsonl",
+                   help="labelled records: clef-finetune's JSONL (a SystemOne request per line "
+                        "plus \"labels\": {question_id: label}); without labels, agreement "
+                        "between models is still measured")
+    g.add_argument("--output", "-o", required=True, metavar="DIR",
+                   help="where the predictions, metrics and report go; an existing DIR of the "
+                        "same command is resumed")
+    g.add_argument("--json", action="store_true", help="print summary.json instead of a table")
+    g.add_argument("--plots", action="store_true",
+                   help="also write reliability.png and tradeoff.png (needs matplotlib: pip "
+                        "install 'clef-gguf[eval]')")
+    g.add_argument("--seed", type=int, default=0, help="bootstrap seed (default 0)")
+    g.add_argument("--resamples", type=positive_int, default=stats.BOOTSTRAP,
+                   help=f"bootstrap resamples (default {stats.BOOTSTRAP})")
+    g.add_argument("--truncate-state", action="store_true",
+                   help="cut over-long states to fit the window instead of failing those records")
+    g.add_argument("--write-demo-data", type=positive_int, metavar="N",
+                   help="first write N labelled demo records to --data (a new file), labels drawn "
+                        "(seeded by --seed) from the first model's own probabilities at "
+                        f"temperature {demo.TEMPERATURE:g}: something to try eval and calibrate on")
+
+
+def models_with_calibrations(args: argparse.Namespace) -> list[tuple[str, str | None]]:
+    models, cals = list(args.model), list(args.calibration or [])
+    if len(cals) == 1:
+        cals = cals * len(models)
+    if cals and len(cals) != len(models):
+        raise errors.InvalidValue(f"give --calibration once, or once per --model ({len(models)}), "
+                                  f"not {len(cals)} times", field="calibration")
+    return [(m, c if c not in (None, "none") else None)
+            for m, c in zip(models, cals or [None] * len(models))]
+
+
+def _labels(pairs: Sequence[tuple[str, str | None]]) -> list[str]:
+    labels = []
+    for model, cal in pairs:
+        path = Path(model)
+        name = f"{path.parent.name}/{path.name}" if path.suffix == ".gguf" else path.name or model
+        labels.append(name + (f"+{Path(cal).stem}" if cal else ""))
+    return labels
+
+
+def _directories(out: Path, labels: Sequence[str]) -> list[Path]:
+    if len(labels) == 1:
+        return [out]
+    used: set[str] = set()
+    dirs = []
+    for label in labels:
+        slug = re.sub(r"[^A-Za-z0-9._+-]+", "-", label).strip("-.") or "model"
+        unique, n = slug, 2
+        while unique in used:
+            unique, n = f"{slug}-{n}", n + 1
+        used.add(unique)
+        dirs.append(out / unique)
+    return dirs
+
+
+def loader(args: argparse.Namespace, model: str, calibration: str | None) -> Callable[[], Clef]:
+    return lambda: load_model(argparse.Namespace(**(vars(args) | {"model": model,
+                                                                   "calibration": calibration})))
+
+
+def write_model_files(run: predict.ModelRun, records: int) -> dict[str, Any]:
+    """predictions.jsonl, metrics.json and errors.jsonl of one model; returns its metrics."""
+    rows = predict.prediction_rows(run.lines)
+    with open(run.directory / "predictions.jsonl", "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    with open(run.directory / "errors.jsonl", "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(p, ensure_ascii=False) + "\n" for p in predict.problems(run.lines))
+    result = metrics.full(rows) | {"records": predict.counts(run.lines, records)}
+    predict.write_json(run.directory / "metrics.json", result)
+    return result
+
+
+def summarize_runs(runs: Sequence[predict.ModelRun], model_metrics: Sequence[dict[str, Any]], *,
+                   seed: int, resamples: int) -> list[dict[str, Any]]:
+    reference = runs[0]
+    ref_rows = predict.prediction_rows(reference.lines, keep_line=True)
+    summaries = []
+    for i, (run, m) in enumerate(zip(runs, model_metrics)):
+        overall = m.get("overall") or {}
+        n = overall.get("n", 0)
+        correct = round(overall.get("accuracy", 0.0) * n) if n else 0
+        s: dict[str, Any] = {"label": run.label, "directory": str(run.directory), "info": run.info,
+                             "cost": run.cost.to_dict(), "metrics": m, "is_reference": i == 0,
+                             "accuracy_ci95": list(stats.wilson(correct, n)),
+                             "notes": stats.auto_decide_note(overall), "resamples": resamples}
+        if i:
+            s["agreement"] = agreement.compare(reference.lines, run.lines)
+            rows = predict.prediction_rows(run.lines, keep_line=True)
+            s["deltas"] = stats.paired_deltas(ref_rows, rows, seed=seed, resamples=resamples)
+        summaries.append(s)
+    return summaries
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    pairs = models_with_calibrations(args)
+    if args.plots:
+        plots.require()  # before anything loads: a missing extra is said at once
+    data = Path(args.data)
+    if args.write_demo_data:
+        if data.exists():
+            raise errors.InvalidValue(f"{data} exists: demo data is written to a new file",
+                                      field="data")
+        with loader(args, *pairs[0])() as clef:
+            demo.write(clef, data, args.write_demo_data, seed=args.seed)
+    records = list(labelled.read(data))
+    if not records:
+        raise errors.InvalidInput(f"{data} holds no records", field="data")
+    data_sha = sha256_file(data)
+    out = Path(args.output)
+    labels = _labels(pairs)
+    runs, model_metrics = [], []
+    for (model, cal), label, directory in zip(pairs, labels, _directories(out, labels)):
+        identity = {"format": FORMAT, "data_sha256": data_sha, "records": len(records),
+                    "model": str(Path(model).resolve()) if Path(model).exists() else model,
+                    "calibration": str(Path(cal).resolve()) if cal else "none",
+                    "truncate_state": args.truncate_state, "max_length": args.max_length}
+        run = predict.run_model(loader(args, model, cal), records, directory, label=label,
+                                identity=identity, truncate_state=args.truncate_state)
+        runs.append(run)
+        model_metrics.append(write_model_files(run, len(records)))
+    summaries = summarize_runs(runs, model_metrics, seed=args.seed, resamples=args.resamples)
+    counts = model_metrics[0]["records"]
+    (out / "report.md").write_text(report.markdown(summaries, data=str(data), counts=counts,
+                                                   seed=args.seed), encoding="utf-8")
+    written = []
+    if args.plots:
+        written = [p for p in (plots.reliability(summaries, out / "reliability.png"),
+                               plots.tradeoff(summaries, out / "tradeoff.png")) if p]
+    summary = {"format": FORMAT, "data": str(data), "data_sha256": data_sha, "records": counts,
+               "seed": args.seed, "models": summaries, "plots": [str(p) for p in written]}
+    predict.write_json(out / "summary.json", summary)
+    if args.json:
+        print(json.dumps(summary, indent=2, ensure_ascii=False))
+    else:
+        print(report.console(summaries))
+        print(f"report: {out / 'report.md'}", file=sys.stderr)
+    return 0

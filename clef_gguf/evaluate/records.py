@@ -1,0 +1,120 @@
+"""The labelled input: clef-finetune 0.1.0's JSONL, a SystemOne request plus ``"labels"`` per line.
+
+``{"id": "c1", "state": ..., "questions": {...}, "labels": {"fraud": false, "severity": 2}}``
+
+Labels follow clef-finetune's ``data.normalize_label``: noul ``true``/``false`` or
+``"true"``/``"false"`` (any case), choice an option id, score a level index or its digit string.
+A question without a label is asked but not scored. A record is named by its 0-based line number
+(resume) and reported under its ``id`` as written (None when it has none, as clef-finetune does).
+A line that cannot be read, or a label that is not one of its question's options, is reported and
+skipped: the other records, and the record's other labels, are still scored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from clef_gguf import errors
+from clef_gguf.request import Question, Request, parse_json
+
+MEDIA_KEYS = ("images", "videos")
+
+
+@dataclass(frozen=True)
+class LabelledRecord:
+    index: int  # 0-based line number
+    record_id: Any  # the line's "id" as written, None without one
+    request: dict | None  # the SystemOne request: "id" and "labels" taken out
+    labels: dict[str, Any] = field(default_factory=dict)
+    error: dict | None = None  # {"error": {...}} when the line cannot be used at all
+    skipped: str | None = None  # why the record is not asked (media: not supported yet)
+
+
+def read(path: str | Path) -> Iterator[LabelledRecord]:
+    """Every non-blank line of ``path``, in order."""
+    try:
+        f = open(path, "rb")
+    except OSError as exc:
+        raise errors.InvalidInput(f"cannot read the data: {exc.strerror}: {path}", field="data") \
+            from None
+    with f:
+        for index, raw in enumerate(f):
+            if raw.strip():
+                yield _record(index, raw.rstrip(b"\r\n"))
+
+
+def _record(index: int, line: bytes) -> LabelledRecord:
+    try:
+        obj = parse_json(line)
+    except errors.ClefError as exc:
+        return LabelledRecord(index, None, None, error=exc.to_dict())
+    if not isinstance(obj, dict):
+        return LabelledRecord(index, None, None, error=errors.InvalidValue(
+            "a line must be a JSON object: a SystemOne request with \"labels\"").to_dict())
+    request = dict(obj)
+    record_id = request.pop("id", None)
+    labels = request.pop("labels", None)
+    if labels is None:
+        labels = {}
+    if not isinstance(labels, dict):
+        return LabelledRecord(index, record_id, None, error=errors.InvalidLabel(
+            f"labels must be an object {{question_id: label}}, not {type(labels).__name__}",
+            field="labels").to_dict())
+    if any(request.get(key) for key in MEDIA_KEYS):
+        return LabelledRecord(index, record_id, request, labels, skipped="media")
+    return LabelledRecord(index, record_id, request, labels)
+
+
+def option_ids(question: Question) -> list[str]:
+    """Option ids in encode order (noul: true, false; choice: sorted by key; score: by level)."""
+    return [option.id for option in question.options]
+
+
+def normalize_label(question: Question, label: Any) -> str:
+    """A raw label as its option id; ``InvalidLabel`` when it is none of the question's."""
+    where = f"labels.{question.id}"
+    if question.type == "noul":
+        if isinstance(label, bool):
+            return "true" if label else "false"
+        if isinstance(label, str) and label.lower() in ("true", "false"):
+            return label.lower()
+        raise errors.InvalidLabel(f"{question.id}: a noul label is true or false, not {label!r:.60}",
+                                  field=where)
+    ids = option_ids(question)
+    if question.type == "choice":
+        if isinstance(label, str) and label in ids:
+            return label
+        raise errors.InvalidLabel(f"{question.id}: choice label {label!r:.60} is not one of its "
+                                  f"options {ids[:20]}", field=where)
+    level: int | None = None
+    if isinstance(label, int) and not isinstance(label, bool):
+        level = label
+    elif isinstance(label, str) and label.strip().isdigit():
+        try:
+            level = int(label)
+        except ValueError:  # digits int() does not read (superscripts)
+            level = None
+    if level is None or not 0 <= level < len(ids):
+        raise errors.InvalidLabel(f"{question.id}: score label {label!r:.60} is not a level "
+                                  f"0..{len(ids) - 1}", field=where)
+    return str(level)
+
+
+def targets(request: Request, labels: dict[str, Any]) -> tuple[dict[str, int], list[dict]]:
+    """(question id -> target option index, the errors of the labels that could not be used)."""
+    questions = {q.id: q for q in request.questions}
+    found: dict[str, int] = {}
+    problems: list[dict] = []
+    for qid, label in labels.items():
+        question = questions.get(qid)
+        try:
+            if question is None:
+                raise errors.InvalidLabel(f"a label for {qid!r:.60}, which is not one of the "
+                                          "record's questions", field=f"labels.{qid}")
+            found[qid] = option_ids(question).index(normalize_label(question, label))
+        except errors.InvalidLabel as exc:
+            problems.append(exc.to_dict())
+    return found, problems

@@ -1,0 +1,126 @@
+"""What a user reads: ``report.md`` (Markdown tables to paste) and the short console table.
+
+``summary`` is one dict per model (``cli._summaries`` builds them): its label, quant, cost, the
+label-free agreement with the reference, and with labels its metrics, Wilson interval and deltas.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+MB = 1 << 20
+
+
+def _f(x: Any, digits: int = 4) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.{digits}f}"
+    return str(x)
+
+
+def _delta(d: dict[str, Any] | None, digits: int = 4) -> str:
+    if not d:
+        return "-"
+    lo, hi = d["ci95"]
+    mark = " *" if d["significant"] else ""
+    return f"{d['delta']:+.{digits}f} [{lo:+.{digits}f}, {hi:+.{digits}f}]{mark}"
+
+
+def _row(cells: Sequence[str]) -> str:
+    return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    return [_row(header), _row(["---"] * len(header)), *(_row(r) for r in rows)]
+
+
+def cost_cells(s: dict[str, Any]) -> list[str]:
+    c = s["cost"]
+    return [f"{c['tower_bytes'] / MB:,.1f}", f"{c['peak_rss_bytes'] / MB:,.0f}",
+            _f(c["records_per_s"], 1), _f(c["tokens_per_s"], 0)]
+
+
+def agreement_cells(s: dict[str, Any]) -> list[str]:
+    a = (s.get("agreement") or {}).get("overall")
+    if not a or not a.get("n"):
+        return ["(reference)" if s.get("is_reference") else "-", "-", "-", "-"]
+    return [_f(a["top1"]), _f(a["mean_abs_dp"], 5), _f(a["max_abs_dp"], 4), _f(a["mean_kl"], 6)]
+
+
+def label_cells(s: dict[str, Any]) -> list[str]:
+    m = s["metrics"].get("overall") or {}
+    if not m:
+        return ["-"] * 6
+    lo, hi = s["accuracy_ci95"]
+    d = s.get("deltas") or {}
+    return [f"{_f(m['accuracy'], 3)} [{_f(lo, 3)}, {_f(hi, 3)}]", _delta(d.get("accuracy"), 3),
+            _f(m["nll"]), _delta(d.get("nll")), _f(m["ece"]), _f(m["brier"])]
+
+
+def markdown(summaries: Sequence[dict[str, Any]], *, data: str, counts: dict[str, Any],
+             seed: int) -> str:
+    labelled = any(s["metrics"].get("overall") for s in summaries)
+    lines = [f"# clef-gguf eval: `{data}`", "",
+             f"{counts['records']} records, {counts['answered']} answered, "
+             f"{counts['skipped_media']} skipped (images/videos: not supported yet), "
+             f"{sum(counts['failed'].values())} failed, {counts['questions']} questions, "
+             f"{counts['labelled_questions']} labelled ({counts['label_errors']} unusable labels; "
+             "see errors.jsonl). Counts are the reference's.", ""]
+    header = ["model", "quant", "tower MiB", "peak RSS MiB", "records/s", "tokens/s"]
+    rows = [[s["label"], _f(s["info"].get("quant"))] + cost_cells(s) for s in summaries]
+    if len(summaries) > 1:
+        header += ["top-1 agreement", "mean |Δp|", "max |Δp|", "mean KL"]
+        rows = [r + agreement_cells(s) for r, s in zip(rows, summaries)]
+    if labelled:
+        header += ["accuracy [95% Wilson]", "Δ accuracy [95% bootstrap]", "NLL", "Δ NLL [95%]",
+                   "ECE", "Brier"]
+        rows = [r + label_cells(s) for r, s in zip(rows, summaries)]
+    lines += _table(header, rows)
+    lines += ["", "Agreement is with the first model (the reference), on every question both "
+              "answered, labels or not: top-1 = the same top option; |Δp| over every option "
+              "probability; KL(reference ‖ model) in nats. Δ = model - reference on the same "
+              f"labelled questions, 95% paired bootstrap ({summaries[0].get('resamples', 1000)} "
+              f"resamples, seed {seed}); * = the interval excludes 0. Lower is better for NLL, "
+              "ECE (top-label, 10 bins) and Brier (multiclass). Size is the tower file; peak RSS "
+              "and rates were measured in this run on this machine (rates after the load)."]
+    if len(summaries) > 1:
+        lines += _per_type(summaries)
+    for s in summaries:
+        notes = s.get("notes") or []
+        if notes:
+            lines += ["", f"Notes on {s['label']}:", *(f"- {n}" for n in notes)]
+    return "\n".join(lines) + "\n"
+
+
+def _per_type(summaries: Sequence[dict[str, Any]]) -> list[str]:
+    rows = []
+    for s in summaries[1:]:
+        agreement = s.get("agreement") or {}
+        for qtype, a in sorted((agreement.get("per_type") or {}).items()):
+            rows.append([s["label"], qtype, str(a["n"]), _f(a["top1"]), _f(a["mean_abs_dp"], 5),
+                         _f(a["mean_kl"], 6)])
+        worst = agreement.get("worst_questions") or []
+        if worst:
+            per_q = agreement["per_question"]
+            rows += [[s["label"], f"question {q}", str(per_q[q]["n"]), _f(per_q[q]["top1"]),
+                      _f(per_q[q]["mean_abs_dp"], 5), _f(per_q[q]["mean_kl"], 6)] for q in worst]
+    if not rows:
+        return []
+    return ["", "## Agreement per question type, and the questions where each model departs most",
+            ""] + _table(["model", "type / question", "n", "top-1 agreement", "mean |Δp|",
+                          "mean KL"], rows)
+
+
+def console(summaries: Sequence[dict[str, Any]]) -> str:
+    """A few columns that fit a terminal."""
+    lines = [f"{'model':<28} {'MiB':>8} {'rec/s':>8} {'top-1':>7} {'mean KL':>9} {'accuracy':>9} {'NLL':>8}"]
+    for s in summaries:
+        a = ((s.get("agreement") or {}).get("overall")) or {}
+        m = s["metrics"].get("overall") or {}
+        lines.append(f"{s['label'][:28]:<28} {s['cost']['tower_bytes'] / MB:>8.1f} "
+                     f"{_f(s['cost']['records_per_s'], 1):>8} {_f(a.get('top1'), 4):>7} "
+                     f"{_f(a.get('mean_kl'), 6):>9} {_f(m.get('accuracy'), 4):>9} {_f(m.get('nll'), 4):>8}")
+    return "\n".join(lines)

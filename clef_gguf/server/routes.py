@@ -1,0 +1,184 @@
+"""The API's routes: ``POST /v1/systemone`` (one request, or a batch), ``POST
+/v1/systemone/batch``, ``GET /v1/models``, ``GET /health``, and the error bodies of everything the
+framework refuses itself (404, 405, a bad query parameter, an unhandled exception).
+
+Each route is a method of :class:`Routes`, which holds what they share (the served model, the job
+runner, the body limits); ``register`` puts them on an app with their OpenAPI documentation
+(``server.schema``). The waits and their refusals are the runner's (``server.jobs``).
+"""
+
+# No ``from __future__ import annotations``: FastAPI reads the route signatures at runtime.
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any
+
+from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+from starlette.responses import Response
+
+from clef_gguf import errors
+from clef_gguf.server import schema
+from clef_gguf.server.batch import batch_response, compute_items, is_batch, parse_batch, prepare_items
+from clef_gguf.server.http import (ApiError, RequestClient, client_closed, internal_error,
+                                   json_response, note, read_json)
+from clef_gguf.server.jobs import JobRunner
+from clef_gguf.server.state import LOADING_RETRY_AFTER, Served, ServedModel
+from clef_gguf.server.workqueue import Admission
+
+log = logging.getLogger("clef_gguf.server")
+
+POSTED = schema.refusals(400, 401, 413, 422, 429, 500, 503)
+HTTP_CODES: dict[int, type[errors.ClefError]] = {404: errors.NotFound,
+                                                 405: errors.MethodNotAllowed}
+
+
+Handler = Callable[[Request, Any, Any, Admission], Awaitable[Response]]
+
+
+class Routes:
+    """The endpoints of one served model."""
+
+    def __init__(self, served: Served, runner: JobRunner, *, max_body_bytes: int,
+                 max_batch: int) -> None:
+        self.served, self.runner = served, runner
+        self.max_body_bytes, self.max_batch = max_body_bytes, max_batch
+
+    # ------------------------------------------------------------------ the two ways to answer
+    async def single(self, request: Request, clef: ServedModel, body: Any,
+                     admission: Admission) -> Response:
+        client = RequestClient(request)
+        prepared = await self.runner.prepare(client, admission, clef.prepare, body)
+        note(request, tokens=prepared.encoded.n_tokens)
+        result = await self.runner.compute(client, lambda _job: clef.run(prepared),
+                                           (clef, prepared))
+        if result is None:
+            return client_closed().response()
+        response, timings = result
+        if response.get("model") is None:  # SystemOne clients may omit it; name what answered
+            response["model"] = clef.info.get("name")
+        timing = ", ".join(f"{k};dur={v}" for k, v in timings.items() if k != "tokens")
+        return json_response(response, headers={"Server-Timing": timing})
+
+    async def batch(self, request: Request, clef: ServedModel, body: Any,
+                    admission: Admission) -> Response:
+        client = RequestClient(request)
+        items, model = parse_batch(body, self.max_batch)
+        note(request, tokens=await self.runner.prepare(client, admission, prepare_items, clef,
+                                                       items))
+        # All refused: answered without queueing.
+        if any(i.prepared is not None for i in items) and await self.runner.compute(
+                client, lambda job: compute_items(clef, items, job)) is None:
+            return client_closed().response()
+        return json_response(batch_response(items, model or clef.info.get("name"), clef))
+
+    async def guarded(self, request: Request, handler: Handler) -> Response:
+        """Every refusal becomes the API's error body (and is named in the log line)."""
+        admission = None
+        try:
+            clef = self.served.require()
+            admission = self.runner.admit()
+            body = await read_json(request, self.max_body_bytes)
+            return await handler(request, clef, body, admission)
+        except ApiError as exc:
+            note(request, error=exc.code)
+            return exc.response()
+        except asyncio.CancelledError:
+            # uvicorn cancels requests only when --drain-timeout ran out at shutdown: answer in
+            # the API's shape (it would send a bare-text 500) and let the task end normally.
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+            note(request, error=errors.ServerShuttingDown.code)
+            return ApiError(errors.ServerShuttingDown(
+                "the server stopped before this request was answered (--drain-timeout ran "
+                "out)")).response()
+        except Exception as exc:  # a bug: still the API's body, the request id and a log line
+            log.exception("request failed")
+            note(request, error=errors.InternalError.code)
+            return internal_error(exc).response()
+        finally:
+            if admission is not None:
+                admission.release()  # refused before or while preparing
+
+    # ------------------------------------------------------------------ endpoints
+    async def systemone(self, request: Request, batch_mode: Annotated[bool | None, Query(
+            alias="batch", description="force (true) or forbid (false) reading the body as a "
+            "batch; by default avrik-sdk's batch shape (state: [{id, text}, ...]) and "
+            "{requests: [...]} are batches")] = None) -> Response:
+        async def route(request: Request, clef: Any, body: Any,
+                        admission: Admission) -> Response:
+            if batch_mode if batch_mode is not None else is_batch(body):
+                return await self.batch(request, clef, body, admission)
+            return await self.single(request, clef, body, admission)
+
+        return await self.guarded(request, route)
+
+    async def systemone_batch(self, request: Request) -> Response:
+        return await self.guarded(request, self.batch)
+
+    async def models(self) -> Response:
+        try:
+            info = dict(self.served.require().info)
+        except ApiError as exc:
+            return exc.response()
+        return json_response({"models": [{"name": info.pop("name"), **info}]})
+
+    async def health(self) -> Response:
+        status = self.served.status
+        clef = self.served.clef
+        if status == "ok" and clef is not None:
+            info = clef.info
+            provenance = clef.provenance
+            return json_response({"status": "ok", "model": info.get("name"),
+                                  "model_hash": provenance.model_hash if provenance else None,
+                                  "backend": info.get("backend"),
+                                  "precision": info.get("precision")})
+        if status == "loading":
+            return json_response({"status": "loading"}, 503, {"Retry-After": LOADING_RETRY_AFTER})
+        error = self.served.error or errors.ModelLoadError("the model failed to load")
+        return json_response({"status": "error", "error": error.to_dict()["error"]}, 503)
+
+    # ------------------------------------------------------------------ on an app
+    def register(self, app: FastAPI) -> None:
+        """The routes with their OpenAPI documentation, and the API's error bodies for what the
+        framework refuses itself."""
+        app.add_api_route(
+            "/v1/systemone", self.systemone, methods=["POST"],
+            responses={200: schema.answer(schema.SystemOneResponse | schema.BatchResponse,
+                                          "the answers (a batch's results for a batch body)"),
+                       **POSTED})
+        app.add_api_route(
+            "/v1/systemone/batch", self.systemone_batch, methods=["POST"],
+            responses={200: schema.answer(schema.BatchResponse, "results in input order; a "
+                                          "refused input carries its error"), **POSTED})
+        app.add_api_route("/v1/models", self.models, methods=["GET"],
+                          responses={200: schema.answer(schema.ModelList, "the served model"),
+                                     **schema.refusals(401, 503)})
+        app.add_api_route(
+            "/health", self.health, methods=["GET"],
+            responses={200: schema.answer(schema.HealthOk, "ready"),
+                       503: schema.answer(schema.HealthLoading | schema.HealthFailed,
+                                          "loading or failed")})
+        app.add_exception_handler(HTTPException, http_error)  # type: ignore[arg-type]
+        app.add_exception_handler(RequestValidationError, query_error)  # type: ignore[arg-type]
+        app.add_exception_handler(Exception, unhandled)
+
+
+async def http_error(_request: Request, exc: HTTPException) -> Response:
+    """404, 405 and whatever else Starlette refuses, in the API's error body."""
+    kind = HTTP_CODES.get(exc.status_code)
+    error = kind(str(exc.detail)) if kind else errors.HttpRefusal(exc.status_code, str(exc.detail))
+    return ApiError(error, headers=dict(exc.headers or {})).response()
+
+
+async def query_error(_request: Request, exc: RequestValidationError) -> Response:
+    first = exc.errors()[0]
+    return ApiError(errors.InvalidValue(first.get("msg", "invalid parameter"), field=".".join(
+        str(p) for p in first.get("loc", ())))).response()
+
+
+async def unhandled(_request: Request, exc: Exception) -> Response:
+    log.error("unhandled error", exc_info=exc)
+    return internal_error(exc).response()

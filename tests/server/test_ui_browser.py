@@ -1,0 +1,465 @@
+"""The playground page in a real browser: Debian's headless Chromium driven by Selenium, against a
+real ``clef-gguf serve`` on the tiny model.
+
+Checked: a request with all three question types built through the form with the keyboard, whose
+bars (width and number) equal the API's own answer to the same request; the questions' JSON view
+round-trips (key order and numbers as written); errors land next to the field they name; ids made of
+markup render as text; the API key is asked once; no request leaves 127.0.0.1 and the console stays
+clean. Screenshots of each state go to ``$CLEF_UI_SCREENSHOTS`` (else the test's tmp dir);
+``CLEF_UI_README_PNG=1`` also writes docs/ui.png, the README's picture.
+
+The browser and its driver are the system's (``apt-get install chromium chromium-driver``, as CI
+does): the suite never downloads one, and a missing one fails the run instead of skipping it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from selenium import webdriver
+from selenium.common.exceptions import NoAlertPresentException
+from selenium.webdriver.chrome.options import Options
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.common.keys import Keys
+from selenium.webdriver.common.selenium_manager import SeleniumManager
+from selenium.webdriver.support.ui import WebDriverWait
+
+from server_helpers import DEADLINE_S, REPO, serve_process, wait_healthy
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMEDRIVER = Path("/usr/bin/chromedriver")
+MAX_LENGTH = 1024  # a small window, so that a long state is refused with field "state"
+XSS = "<img src=x onerror=alert(1)>"
+WIDE, NARROW = (1280, 800), (420, 860)
+
+
+def ordered(text: str) -> list:
+    """JSON with every object as a list of pairs: equality then checks key order too."""
+    return json.loads(text, object_pairs_hook=lambda pairs: [[k, v] for k, v in pairs])
+
+
+# ------------------------------------------------------------------ fixtures
+@pytest.fixture(scope="module")
+def shots(tmp_path_factory) -> Path:
+    where = os.environ.get("CLEF_UI_SCREENSHOTS")
+    out = Path(where) if where else tmp_path_factory.mktemp("ui-screenshots")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def _serve(tmp_path_factory, tiny_model_dir, env: dict | None = None):
+    return serve_process(tmp_path_factory.mktemp("ui-serve"), "--model", str(tiny_model_dir),
+                         "--threads", "1", "--max-length", str(MAX_LENGTH), env=env)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_model_dir):
+    with _serve(tmp_path_factory, tiny_model_dir) as (proc, url, _port):
+        wait_healthy(proc, url)
+        yield url
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tmp_path_factory, tiny_model_dir):
+    with _serve(tmp_path_factory, tiny_model_dir, env={"CLEF_GGUF_API_KEY": "s3cret"}) as \
+            (proc, url, _port):
+        wait_healthy(proc, url)
+        yield url
+
+
+@pytest.fixture()
+def browser(monkeypatch):
+    for path, package in ((CHROMIUM, "chromium"), (CHROMEDRIVER, "chromium-driver")):
+        if not path.exists():
+            pytest.fail(f"{path} is missing: the page's browser tests need Debian's {package} "
+                        f"(apt-get install chromium chromium-driver; .ci/run installs both). The "
+                        f"suite never downloads a browser.", pytrace=False)
+
+    def no_download(*_args, **_kwargs):
+        raise AssertionError("selenium-manager must not run: the system browser is used")
+
+    monkeypatch.setattr(SeleniumManager, "binary_paths", no_download)
+    options = Options()
+    options.binary_location = str(CHROMIUM)
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                "--no-first-run", "--disable-background-networking", "--disable-sync",
+                "--disable-component-update", "--disable-default-apps", "--disable-extensions",
+                f"--window-size={WIDE[0]},{WIDE[1]}"):
+        options.add_argument(arg)
+    options.set_capability("goog:loggingPrefs", {"performance": "ALL", "browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(executable_path=str(CHROMEDRIVER)), options=options)
+    viewport(driver, *WIDE)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+# ------------------------------------------------------------------ helpers
+def viewport(driver, width: int, height: int) -> None:
+    """Size the window so that the page itself gets width x height pixels."""
+    driver.set_window_size(width, height)
+    inner = driver.execute_script("return [window.innerWidth, window.innerHeight]")
+    driver.set_window_size(2 * width - inner[0], 2 * height - inner[1])
+
+
+def wait(driver, condition, what: str):
+    return WebDriverWait(driver, DEADLINE_S).until(lambda d: condition(d), message=what)
+
+
+def by_id(driver, element_id: str):
+    return driver.find_element(By.ID, element_id)
+
+
+def open_page(driver, url: str) -> None:
+    driver.get(f"{url}/")
+    wait(driver, lambda d: by_id(d, "model-status").text.startswith("Model:"), "the model's name")
+
+
+def press(element, key: str = Keys.ENTER) -> None:
+    """Activate a control from the keyboard."""
+    element.send_keys(key)
+
+
+def focused(driver):
+    return driver.switch_to.active_element
+
+
+def set_value(driver, element, value: str) -> None:
+    """Replace a text control's content as typing would (an input event), for long texts."""
+    driver.execute_script("arguments[0].value = arguments[1];"
+                          "arguments[0].dispatchEvent(new Event('input', {bubbles: true}));",
+                          element, value)
+
+
+def decide(driver) -> None:
+    """Ctrl+Enter, then wait until the page says this attempt ended (answered or refused)."""
+    before = driver.find_element(By.TAG_NAME, "body").get_attribute("data-decisions") or "0"
+    by_id(driver, "state").send_keys(Keys.CONTROL, Keys.ENTER)
+    wait(driver, lambda d: (d.find_element(By.TAG_NAME, "body").get_attribute("data-decisions")
+                            or "0") != before, "the decision to end")
+
+
+def assert_answered(driver) -> None:
+    shown = [e.text for e in driver.find_elements(By.CSS_SELECTOR, ".field-error") if e.text]
+    assert by_id(driver, "answers-status").text.startswith("Answered by"), shown
+
+
+def shot(driver, shots: Path, name: str) -> None:
+    driver.save_screenshot(str(shots / f"{name}.png"))
+
+
+def network_urls(driver) -> list[str]:
+    urls = []
+    for entry in driver.get_log("performance"):
+        message = json.loads(entry["message"])["message"]
+        if message["method"] == "Network.requestWillBeSent":
+            urls.append(message["params"]["request"]["url"])
+    return urls
+
+
+def assert_local_only(driver, url: str) -> None:
+    urls = network_urls(driver)
+    assert urls, "the performance log recorded no request"
+    assert all(u.startswith(f"{url}/") for u in urls), [u for u in urls if not u.startswith(url)]
+
+
+def assert_console_clean(driver, allowed: tuple[tuple[str, int], ...] = ()) -> None:
+    """No console error; only the API refusals (path, status) this test caused may appear:
+    Chrome logs every 4xx a fetch gets as a network error."""
+    bad = []
+    for entry in driver.get_log("browser"):
+        if entry["level"] != "SEVERE":
+            continue
+        expected = entry.get("source") == "network" and any(
+            path in entry["message"] and f"status of {status}" in entry["message"]
+            for path, status in allowed)
+        if not expected:
+            bad.append(entry)
+    assert not bad, bad
+
+
+def card(driver, index: int):
+    return driver.find_elements(By.CSS_SELECTOR, "#questions-form > li")[index]
+
+
+def delete_all_questions(driver) -> None:
+    while driver.find_elements(By.CSS_SELECTOR, "#questions-form > li"):
+        button = card(driver, 0).find_element(By.XPATH, ".//button[text()='Delete']")
+        press(button)
+
+
+def type_into_focused(driver, text: str) -> None:
+    focused(driver).send_keys(text)
+
+
+def field(container, label: str):
+    """The control a <label> names, by the label's text (what a screen reader announces)."""
+    lab = container.find_element(By.XPATH, f".//label[normalize-space(text())='{label}']")
+    return container.find_element(By.ID, lab.get_attribute("for"))
+
+
+def bars(driver, qid: str) -> dict[str, dict]:
+    section = next(s for s in driver.find_elements(By.CSS_SELECTOR, "#results .answer")
+                   if s.get_attribute("data-qid") == qid)
+    out = {}
+    for row in section.find_elements(By.CSS_SELECTOR, ".bar-row"):
+        fill = row.find_element(By.CSS_SELECTOR, ".bar-fill")
+        track = row.find_element(By.CSS_SELECTOR, ".bar-track")
+        out[row.get_attribute("data-option")] = {
+            "number": float(row.find_element(By.CSS_SELECTOR, ".bar-value").text),
+            "style": float(fill.value_of_css_property("width").removesuffix("px")) /
+            float(track.value_of_css_property("width").removesuffix("px")),
+            "declared": float(driver.execute_script("return arguments[0].style.width", fill)
+                              .removesuffix("%")),
+            "track_px": track.size["width"],
+            "chosen": "chosen" in row.get_attribute("class").split()}
+    return out
+
+
+STATE = "Refund 1182 not received after 14 days; the customer writes for the third time."
+EXPECTED_QUESTIONS = [
+    ["urgent", [["type", "noul"], ["instructions", "Is this urgent?"]]],
+    ["team", [["type", "choice"], ["instructions", "Which team?"],
+              ["criteria", [["billing", "Payments and refunds"], ["tech", None],
+                            ["sales", "New deals"]]]]],
+    ["anger", [["type", "score"], ["instructions", "How angry is the customer?"],
+               ["criteria", ["calm", "annoyed", "furious"]]]],
+]
+
+
+def build_request_with_the_keyboard(driver) -> None:
+    delete_all_questions(driver)
+    state = by_id(driver, "state")
+    state.clear()
+    state.send_keys(STATE)
+    # noul: adding a question moves the focus to its id field
+    press(by_id(driver, "add-noul"))
+    type_into_focused(driver, "urgent")
+    set_text = lambda c, label, text: field(c, label).send_keys(text)  # noqa: E731
+    set_text(card(driver, 0), "Instructions", "Is this urgent?")
+    # choice: two option rows come with it, a third is added
+    press(by_id(driver, "add-choice"))
+    type_into_focused(driver, "team")
+    set_text(card(driver, 1), "Instructions", "Which team?")
+    set_text(card(driver, 1), "Option 1 id", "billing")
+    rows = card(driver, 1).find_elements(By.CSS_SELECTOR, ".option")
+    field(rows[0], "Description").send_keys("Payments and refunds")
+    set_text(card(driver, 1), "Option 2 id", "tech")  # no description: null
+    press(card(driver, 1).find_element(By.XPATH, ".//button[text()='Add option']"))
+    type_into_focused(driver, "sales")  # the new option's id has the focus
+    rows = card(driver, 1).find_elements(By.CSS_SELECTOR, ".option")
+    field(rows[2], "Description").send_keys("New deals")
+    # score: two levels come with it, a third is added
+    press(by_id(driver, "add-score"))
+    type_into_focused(driver, "anger")
+    set_text(card(driver, 2), "Instructions", "How angry is the customer?")
+    set_text(card(driver, 2), "Level 0", "calm")
+    set_text(card(driver, 2), "Level 1", "annoyed")
+    press(card(driver, 2).find_element(By.XPATH, ".//button[text()='Add level']"))
+    set_text(card(driver, 2), "Level 2", "furious")
+
+
+# ------------------------------------------------------------------ tests
+def test_form_request_bars_equal_the_api(browser, server, shots):
+    open_page(browser, server)
+    shot(browser, shots, "01-loaded")
+    build_request_with_the_keyboard(browser)
+    shot(browser, shots, "02-form")
+    # the request the page sends, as its "Copy as JSON" shows it
+    press(by_id(browser, "copy-json"))
+    sent = by_id(browser, "copy-output").text
+    assert ordered(sent) == [["state", STATE], ["questions", EXPECTED_QUESTIONS]]
+    decide(browser)
+    assert_answered(browser)
+    api = httpx.post(f"{server}/v1/systemone", content=sent.encode(),
+                     headers={"Content-Type": "application/json"}, timeout=DEADLINE_S).json()
+    answers = api["answers"]
+    assert [s.get_attribute("data-qid") for s in
+            browser.find_elements(By.CSS_SELECTOR, "#results .answer")] == ["urgent", "team", "anger"]
+    p_true = answers["urgent"]["noul"]
+    want = {"urgent": {"true": p_true, "false": round(1 - p_true, 4)},
+            "team": answers["team"]["probabilities"], "anger": answers["anger"]["probabilities"]}
+    chosen = {"urgent": "true" if p_true >= 0.5 else "false", "team": answers["team"]["choice"],
+              "anger": max(answers["anger"]["probabilities"],
+                           key=answers["anger"]["probabilities"].get)}
+    for qid, probs in want.items():
+        shown = bars(browser, qid)
+        assert list(shown) == list(probs), qid
+        for option, p in probs.items():
+            bar = shown[option]
+            assert bar["number"] == p, (qid, option)
+            assert bar["declared"] == pytest.approx(100 * p, abs=1e-9), (qid, option)
+            assert bar["style"] == pytest.approx(p, abs=1.0 / bar["track_px"]), (qid, option)
+            assert bar["chosen"] == (option == chosen[qid]), (qid, option)
+    expected_level = browser.find_element(By.CSS_SELECTOR, '.answer[data-qid="anger"] .score').text
+    assert float(expected_level) == answers["anger"]["score"]
+    assert by_id(browser, "tokens").text == str(api["usage"]["input_tokens"])
+    shot(browser, shots, "03-decided")
+    if os.environ.get("CLEF_UI_README_PNG"):
+        browser.save_screenshot(str(REPO / "docs" / "ui.png"))
+    # the run is in the history, and a baseline compares the next run with it
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#history li")) == 1
+    press(by_id(browser, "pin-baseline"))
+    by_id(browser, "state").send_keys(" Cancel my account now!")
+    decide(browser)
+    assert_answered(browser)
+    press(by_id(browser, "copy-json"))
+    after = httpx.post(f"{server}/v1/systemone", content=by_id(browser, "copy-output").text.encode(),
+                       headers={"Content-Type": "application/json"}, timeout=DEADLINE_S).json()
+    rows = browser.find_elements(By.CSS_SELECTOR, '.answer[data-qid="team"] .bar-row:not(.head)')
+    for row, (option, p) in zip(rows, after["answers"]["team"]["probabilities"].items(), strict=True):
+        assert float(row.find_element(By.CSS_SELECTOR, ".bar-value").text) == p
+        assert float(row.find_element(By.CSS_SELECTOR, ".baseline-value").text) == \
+            answers["team"]["probabilities"][option]
+        delta = row.find_element(By.CSS_SELECTOR, ".bar-delta").text.replace("−", "-")
+        assert float(delta) == pytest.approx(p - answers["team"]["probabilities"][option], abs=1e-9)
+    shot(browser, shots, "04-compared")
+    # the copied curl and avrik-sdk snippets run as they are and get the same answers
+    for button, cmd in (("copy-curl", ["bash", "-c"]), ("copy-avrik", [sys.executable, "-c"])):
+        press(by_id(browser, button))
+        snippet = by_id(browser, "copy-output").text
+        ran = subprocess.run([*cmd, snippet], capture_output=True, text=True, timeout=DEADLINE_S)
+        assert ran.returncode == 0, (snippet, ran.stderr)
+        assert json.loads(ran.stdout)["answers"] == after["answers"], button
+    # a run from the history loads back into the form
+    oldest = browser.find_elements(By.CSS_SELECTOR, "#history li")[-1]
+    press(oldest.find_element(By.XPATH, ".//button[text()='Load']"))
+    assert by_id(browser, "state").get_attribute("value") == STATE
+    # narrow window: nothing wider than the window
+    viewport(browser, *NARROW)
+    assert browser.execute_script("return document.documentElement.scrollWidth <= "
+                                  "document.documentElement.clientWidth")
+    shot(browser, shots, "05-narrow")
+    # dark theme from the OS setting
+    light = browser.execute_script("return getComputedStyle(document.body).backgroundColor")
+    browser.execute_cdp_cmd("Emulation.setEmulatedMedia", {
+        "features": [{"name": "prefers-color-scheme", "value": "dark"}]})
+    viewport(browser, *WIDE)
+    browser.execute_script("window.scrollTo(0, 0)")
+    dark = browser.execute_script("return getComputedStyle(document.body).backgroundColor")
+    assert dark != light
+    shot(browser, shots, "06-dark")
+    assert_local_only(browser, server)
+    assert_console_clean(browser)
+
+
+def test_questions_json_view_round_trips(browser, server, shots):
+    open_page(browser, server)
+    press(by_id(browser, "questions-view-json"), Keys.SPACE)
+    view = by_id(browser, "questions-json")
+    assert view.is_displayed() and not by_id(browser, "questions-form-view").is_displayed()
+    example = ordered(view.get_attribute("value"))
+    assert [q[0] for q in example] == ["urgent", "team", "anger"]
+    # integer-like keys keep their order and 1.0 stays 1.0 (JSON.parse would change both)
+    edited = ('{"2": {"type": "choice", "instructions": 1.0, "criteria": {"10": "ten", "9": null}},\n'
+              ' "1": {"type": "noul", "criteria": {"true": "yes"}, "note": "kept"},\n'
+              ' "b": {"type": "score", "criteria": ["lo", "hi"]}}')
+    set_value(browser, view, edited)
+    press(by_id(browser, "questions-view-form"), Keys.SPACE)
+    ids = [c.find_element(By.CSS_SELECTOR, "input.qid").get_attribute("value")
+           for c in browser.find_elements(By.CSS_SELECTOR, "#questions-form > li")]
+    assert ids == ["2", "1", "b"]
+    options = [i.get_attribute("value") for i in
+               card(browser, 0).find_elements(By.CSS_SELECTOR, "input.option-id")]
+    assert options == ["10", "9"]
+    instructions = field(card(browser, 0), "Instructions")
+    assert instructions.get_attribute("value") == "1.0" and instructions.get_attribute("readonly")
+    shot(browser, shots, "07-json-to-form")
+    press(by_id(browser, "questions-view-json"), Keys.SPACE)
+    back = view.get_attribute("value")
+    assert ordered(back) == ordered(edited) and '"instructions": 1.0' in back
+    # a broken JSON view is named at its field and keeps the form view shut
+    set_value(browser, view, '{"q": {"type": "noul"},}')
+    assert "Not valid JSON" in by_id(browser, "questions-json-error").text
+    press(by_id(browser, "questions-view-form"), Keys.SPACE)
+    assert view.is_displayed() and view.get_attribute("aria-invalid") == "true"
+    assert_local_only(browser, server)
+    assert_console_clean(browser)
+
+
+def test_errors_are_shown_at_their_field(browser, server, shots):
+    open_page(browser, server)
+    state = by_id(browser, "state")
+    # checked as typed: JSON state that does not parse
+    press(by_id(browser, "state-mode-json"), Keys.SPACE)
+    set_value(browser, state, '{"ticket": "refund", ')
+    error = by_id(browser, "state-error")
+    assert "Not valid JSON" in error.text and state.get_attribute("aria-invalid") == "true"
+    decide(browser)
+    assert by_id(browser, "answers-status").text == "No decision yet."  # nothing was sent
+    shot(browser, shots, "08-state-json-error")
+    set_value(browser, state, '{"ticket": "refund", "amount": 10.0}')
+    assert error.text == "" and state.get_attribute("aria-invalid") is None
+    # refused by the server: a state too long for the window names the field "state"
+    press(by_id(browser, "state-mode-text"), Keys.SPACE)
+    set_value(browser, state, "refund please " * 2000)
+    decide(browser)
+    assert "context_too_large" in error.text and "field state" in error.text
+    assert by_id(browser, "request-error").text == ""
+    shot(browser, shots, "09-state-too-long")
+    # a question's error goes into that question's card
+    set_value(browser, state, "short")
+    press(by_id(browser, "questions-view-json"), Keys.SPACE)
+    set_value(browser, by_id(browser, "questions-json"),
+              '{"ok": {"type": "noul"}, "bad": {"type": "choice", "criteria": {}}}')
+    press(by_id(browser, "questions-view-form"), Keys.SPACE)
+    decide(browser)
+    message = card(browser, 1).find_element(By.CSS_SELECTOR, "[data-error=question]").text
+    assert "invalid_criteria" in message and "questions.bad.criteria" in message
+    assert card(browser, 0).find_element(By.CSS_SELECTOR, "[data-error=question]").text == ""
+    shot(browser, shots, "10-question-error")
+    assert_local_only(browser, server)
+    assert_console_clean(browser, allowed=(("/v1/systemone", 413), ("/v1/systemone", 422)))
+
+
+def test_markup_in_ids_and_state_renders_as_text(browser, server, shots):
+    open_page(browser, server)
+    set_value(browser, by_id(browser, "state"), f"{XSS} <script>alert(2)</script>")
+    press(by_id(browser, "questions-view-json"), Keys.SPACE)
+    questions = {XSS: {"type": "choice", "instructions": XSS, "criteria": {XSS: XSS, "b": None}},
+                 "s": {"type": "score", "criteria": [XSS, "<b>bold</b>"]}}
+    set_value(browser, by_id(browser, "questions-json"), json.dumps(questions))
+    press(by_id(browser, "questions-view-form"), Keys.SPACE)
+    assert by_id(browser, "questions-error").text == ""
+    decide(browser)
+    assert_answered(browser)
+    with pytest.raises(NoAlertPresentException):
+        browser.switch_to.alert.text
+    assert browser.find_elements(By.TAG_NAME, "img") == []
+    assert browser.find_elements(By.CSS_SELECTOR, "#results b, #results script") == []
+    heads = [e.text for e in browser.find_elements(By.CSS_SELECTOR, "#results .answer h3 .qid")]
+    assert heads == [XSS, "s"]
+    labels = [e.text for e in browser.find_elements(By.CSS_SELECTOR, "#results .option-label")]
+    assert XSS in labels and f"0 · {XSS}" in labels and "1 · <b>bold</b>" in labels
+    assert XSS in by_id(browser, "history").text
+    assert card(browser, 0).find_element(By.CSS_SELECTOR, "input.qid").get_attribute("value") == XSS
+    shot(browser, shots, "11-markup-as-text")
+    assert_local_only(browser, server)
+    assert_console_clean(browser)
+
+
+def test_api_key_is_asked_once(browser, keyed_server, shots):
+    browser.get(f"{keyed_server}/")  # the page and its assets load without the key
+    key_form = by_id(browser, "key-form")
+    wait(browser, lambda d: key_form.is_displayed(), "the key form")
+    assert focused(browser) == by_id(browser, "api-key")
+    shot(browser, shots, "12-api-key")
+    type_into_focused(browser, "s3cret")
+    press(by_id(browser, "api-key"))  # Enter submits the form
+    wait(browser, lambda d: by_id(d, "model-status").text.startswith("Model:"), "the model")
+    assert not key_form.is_displayed()
+    decide(browser)
+    assert_answered(browser)
+    browser.refresh()  # kept for the tab's session
+    wait(browser, lambda d: by_id(d, "model-status").text.startswith("Model:"), "the model")
+    assert not by_id(browser, "key-form").is_displayed()
+    assert_local_only(browser, keyed_server)
+    assert_console_clean(browser, allowed=(("/v1/models", 401),))
