@@ -6,38 +6,52 @@ A bad number is refused by argparse itself (exit 2, the flag named), before any 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from typing import TypeVar
+
+N = TypeVar("N", int, float)
+
+
+def _number(text: str, parse: Callable[[str], N], expected: str) -> N:
+    try:
+        return parse(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+
+
+def _refuse(why: str) -> argparse.ArgumentTypeError:
+    return argparse.ArgumentTypeError(why)
 
 
 def positive_int(text: str) -> int:
     """An integer >= 1 (threads, window sizes, counts)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    value = _number(text, int, "a whole number")
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1 (got {value})")
+        raise _refuse(f"must be at least 1 (got {value})")
     return value
 
 
 def megabytes(text: str) -> float:
     """A size in MiB >= 0 (0 turns a cache off)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a size in MiB, got {text!r}") from None
+    value = _number(text, float, "a size in MiB")
     if not 0 <= value < 1 << 30:  # also refuses nan and inf
-        raise argparse.ArgumentTypeError(f"must be a size in MiB >= 0 (got {text})")
+        raise _refuse(f"must be a size in MiB >= 0 (got {text})")
     return value
 
 
 def seconds(text: str) -> float:
     """A duration in seconds >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    value = _number(text, float, "a number of seconds")
     if not 0 <= value < float("inf"):  # also refuses nan
-        raise argparse.ArgumentTypeError(f"must be >= 0 seconds (got {text})")
+        raise _refuse(f"must be >= 0 seconds (got {text})")
+    return value
+
+
+def fraction(text: str) -> float:
+    """A share strictly between 0 and 1 (a held-out part of the records)."""
+    value = _number(text, float, "a fraction")
+    if not 0.0 < value < 1.0:  # also refuses nan
+        raise _refuse(f"must lie strictly between 0 and 1 (got {text})")
     return value
 
 
@@ -45,11 +59,7 @@ def gpu_layers(text: str) -> int | str:
     """``auto`` (the device policy), ``all``, or a layer count >= 0."""
     if text in ("auto", "all"):
         return text
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected auto, all or a layer count, got {text!r}") \
-            from None
+    value = _number(text, int, "auto, all or a layer count")
     if value < 0:
-        raise argparse.ArgumentTypeError(f"a layer count is >= 0 (got {value}); all layers: all")
+        raise _refuse(f"a layer count is >= 0 (got {value}); all layers: all")
     return value

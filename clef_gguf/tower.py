@@ -3,7 +3,8 @@
 One prompt at a time on the canonical schedule (``statecache.SegmentedForward``), or several per
 ``llama_decode`` in a packed context where the policy (``packing.PACKING``) says it pays. The
 llama.cpp objects are the thin wrappers of ``clef_gguf.llama``; the state layouts of the packed
-context are ``clef_gguf.packing``'s.
+context are ``clef_gguf.packing``'s. It runs past 400 lines because the one-prompt, packed and
+per-layer paths share one lock, one pair of contexts and their attention setting: one class.
 """
 
 from __future__ import annotations

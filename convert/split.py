@@ -38,8 +38,8 @@ Keys: ``general.architecture = "clef"``, the qwen35 tower keys under ``clef.*`` 
 ``.block_count`` (L), ``.head_count`` and ``clef.attention.layer_norm_epsilon`` (head LayerNorm eps,
 1e-5). hidden_size / width / feedforward are no keys: they are the shapes of decision.hidden_norm,
 decision.proj_memory and dec.blk.0.ffn_up, as llama.cpp's loader reads them. Every ``clef.decision.*``
-key (also ``max_head_tokens``, ``temperature.<type>[.<bucket>]``) and the eps key are dropped;
-tokenizer keys (the ``systemone`` chat template included) are kept.
+key and the eps key are dropped (``temperature.<type>[.<bucket>]`` kept as a calibration file:
+``split_calibration``); tokenizer keys (the ``systemone`` chat template included) are kept.
 
 Folding: only the three scalars, into ``decision.scales`` (f32, computed in float64). clef.py passes
 every other tensor through unchanged apart from the q/k/v split (``chunk(3, dim=0)``) and the +R
@@ -84,6 +84,7 @@ from safetensors.torch import save_file
 from clef_gguf import files
 from clef_gguf.convert.gguf_tokenizer import tokenizer_from_gguf
 from clef_gguf.convert.hf_to_gguf import stream_gguf
+from clef_gguf.convert.split_calibration import upstream_temperatures, write_calibration
 from clef_gguf.errors import ClefError, ConversionError, CorruptModel, ModelNotFound
 from clef_gguf.lexical import field_value, file_type_name, open_gguf
 
@@ -383,6 +384,7 @@ def split_with_summary(src, out, *, tokenizer=None, name: str | None = None,
         raise ConversionError(f"{out} exists and is not a directory")
     reader = _open(src)
     config, state, used = extract_head(reader)  # every check runs before anything is written
+    temperatures = upstream_temperatures(reader, SRC_ARCH)
     rebuilt = tokenizer_from_gguf(reader) if tokenizer is None else None
     label = file_type_name(reader)
     tower = f"tower-{label}.gguf"
@@ -406,18 +408,20 @@ def split_with_summary(src, out, *, tokenizer=None, name: str | None = None,
                              {"tower": tower, "head_weights": files.HEAD_WEIGHTS,
                               "head_config": files.HEAD_CONFIG, "tokenizer": files.TOKENIZER},
                              extra={"source": source})
+        calibration = write_calibration(stage, temperatures, src.name)
     return out, {"model_dir": str(out), "tower": str(out / tower), "outtype": label,
                  "tower_tensors": n_tensors, "head_tensors": len(used), "dropped_keys": dropped,
                  "head_weights": str(out / files.HEAD_WEIGHTS),
                  "tokenizer": "rebuilt from the GGUF" if rebuilt is not None else "copied",
-                 "manifest": (out / files.MANIFEST).is_file()}
+                 "manifest": (out / files.MANIFEST).is_file(), "calibration": calibration}
 
 
 # --------------------------------------------------------------------------- CLI (wired by clef_gguf.cli)
 
 def add_split_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", help="native-clef GGUF (llama.cpp architecture 'clef', head inside)")
-    p.add_argument("out", help="output model directory (created if missing)")
+    p.add_argument("out", help="output model directory (created if missing); temperatures != 1.0 "
+                   "are kept there as calibration.json, for --calibration to apply them as llama.cpp does")
     p.add_argument("--tokenizer", help="tokenizer.json to copy (default: rebuilt from the GGUF's "
                    "own vocabulary; one that cannot be rebuilt exactly is refused)")
     p.add_argument("--name", help="model name in the manifest (default: the GGUF's general.name)")

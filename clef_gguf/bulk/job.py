@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from clef_gguf import errors
-from clef_gguf.argtypes import positive_int
+from clef_gguf.argtypes import positive_int, seconds
 from clef_gguf.bulk import options, records
 from clef_gguf.bulk.output import Output
 from clef_gguf.bulk.progress import Progress
@@ -23,16 +23,6 @@ from clef_gguf.cli_options import add_model_arguments, load_model
 
 DEFAULT_WINDOW = 64  # decide_many's: enough to meet a state's repeats in a typical file
 DEFAULT_LOG_EVERY_S = 10.0
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not value >= 0:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"must be >= 0 seconds (got {text})")
-    return value
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -62,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="records computed together: requests about one state within N "
                         "consecutive records decode it once; also what an interruption may have "
                         f"to redo (written records are never redone) (default {DEFAULT_WINDOW})")
-    g.add_argument("--log-every", type=_seconds, default=DEFAULT_LOG_EVERY_S, metavar="SECONDS",
+    g.add_argument("--log-every", type=seconds, default=DEFAULT_LOG_EVERY_S, metavar="SECONDS",
                    help="when stderr is not a terminal, a progress line every SECONDS (default "
                         f"{DEFAULT_LOG_EVERY_S:g}; 0: after every record); a terminal gets a "
                         "progress bar")

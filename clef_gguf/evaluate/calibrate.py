@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from clef_gguf import __version__, answer, errors
+from clef_gguf.argtypes import fraction
 from clef_gguf.evaluate import agreement, fit, metrics, predict
 from clef_gguf.evaluate import calibration as cal
 from clef_gguf.evaluate import records as labelled
@@ -28,16 +29,6 @@ from clef_gguf.evaluate.cli import add_model_list, loader
 from clef_gguf.files import sha256_file
 
 HOLDOUT = 0.25
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a fraction, got {text!r}") from None
-    if not 0.0 < value < 1.0:
-        raise argparse.ArgumentTypeError(f"must lie strictly between 0 and 1 (got {text})")
-    return value
 
 
 def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
@@ -51,7 +42,7 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--reference", metavar="MODEL",
                    help="fit without labels: match this model's probabilities (e.g. the f32 or "
                         "Q8_0 build of the same release) by minimising KL(reference || model)")
-    g.add_argument("--holdout", type=_fraction, default=HOLDOUT, metavar="FRACTION",
+    g.add_argument("--holdout", type=fraction, default=HOLDOUT, metavar="FRACTION",
                    help=f"share of the records held out to check the fit (default {HOLDOUT})")
     g.add_argument("--seed", type=int, default=0, help="seed of the held-out split (default 0)")
     g.add_argument("--min-questions", type=int, default=fit.MIN_QUESTIONS, metavar="N",

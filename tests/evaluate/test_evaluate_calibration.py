@@ -115,3 +115,59 @@ def test_a_calibration_for_other_weights_is_refused_at_load(tiny_model_dir_facto
     path, _ = tiny_calibration
     with pytest.raises(errors.CalibrationMismatch, match="tower_sha256"):
         Clef.load(tiny_model_dir_factory("q8_0"), threads=1, calibration=path)
+
+
+def test_a_request_must_name_the_loaded_calibration_or_none_at_all(tiny_model_dir, tiny_calibration):
+    from clef_gguf.runtime import Clef
+
+    path, c = tiny_calibration
+    with Clef.load(tiny_model_dir, threads=1, calibration=path) as calibrated:
+        plain = calibrated.decide(REQUEST)
+        same = calibrated.decide(REQUEST | {"calibration": c.version})
+        for got in (same, calibrated.decide(REQUEST | {"calibration": None})):
+            assert (got["answers"], got["audit"]) == (plain["answers"], plain["audit"])
+            assert "warnings" not in got
+        for other, named in (("none", 'no calibration ("none")'), ("cal-0123456789abcdef", "cal-0123"),
+                             (7, "calibration 7")):
+            for strict in (False, True):
+                with pytest.raises(errors.WrongCalibration) as raised:
+                    calibrated.decide(REQUEST | {"calibration": other}, strict=strict)
+                assert raised.value.field == "calibration" and raised.value.status == 422
+                assert raised.value.code == "wrong_calibration"
+                assert named in raised.value.message and c.version in raised.value.message
+        # decide_many: the refused request fails alone, in its place
+        out = list(calibrated.decide_many([REQUEST, REQUEST | {"calibration": "none"},
+                                           REQUEST | {"calibration": c.version}]))
+        assert out[1]["error"]["code"] == "wrong_calibration"
+        assert out[0]["answers"] == out[2]["answers"] == plain["answers"]
+
+
+def test_without_a_calibration_the_request_key_is_still_ignored(tiny_model_dir, tiny_calibration):
+    from clef_gguf.runtime import Clef
+
+    _, c = tiny_calibration
+    with Clef.load(tiny_model_dir, threads=1) as plain:
+        got = plain.decide(REQUEST | {"calibration": c.version})
+        assert got["warnings"][0]["code"] == "ignored_field"
+        assert got["audit"]["calibration_version"] == "none"
+        assert "warnings" not in plain.decide(REQUEST | {"calibration": "none"})
+        with pytest.raises(errors.Unsupported):
+            plain.decide(REQUEST | {"calibration": c.version}, strict=True)
+
+
+def test_cli_refuses_a_request_for_another_calibration(tiny_model_dir, tiny_calibration, tmp_path,
+                                                       capsys):
+    from clef_gguf.cli import main
+
+    path, c = tiny_calibration
+    base = ["decide", "-m", str(tiny_model_dir), "--threads", "1", "--calibration", str(path)]
+    for asked, code in (("none", 2), ("cal-ffffffffffffffff", 2), (c.version, 0)):
+        request = tmp_path / "request.json"
+        request.write_text(json.dumps(REQUEST | {"calibration": asked}))
+        assert main(base + ["-r", str(request)]) == code
+        out = json.loads(capsys.readouterr().out)
+        if code:
+            assert out["error"]["code"] == "wrong_calibration"
+            assert out["error"]["field"] == "calibration"
+        else:
+            assert out["audit"]["calibration_version"] == c.version and "warnings" not in out
