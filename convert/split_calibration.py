@@ -50,7 +50,7 @@ def upstream_temperatures(reader: gguf.GGUFReader, arch: str) -> dict[str, float
     return table
 
 
-def write_calibration(directory: Path, table: dict[str, float], source: str) -> dict | None:
+def write_calibration(directory: Path, table: dict[str, float], source: str) -> dict[str, str] | None:
     """Write ``FILE`` into the model ``directory`` (its manifest already written) bound to its
     files, and name it in the manifest; returns the manifest's entry (file, version, source), or
     None (nothing written) when every T is 1.0."""

@@ -153,6 +153,18 @@ def test_reference_answers_these_so_do_we(request_body, ignored):
     assert all(w["code"] == "ignored_field" and w["field"] in w["message"] for w in r.warnings)
 
 
+@pytest.mark.parametrize("strict", [False, True])
+def test_with_a_calibration_loaded_the_requested_one_is_kept_for_the_runtime(strict):
+    for asked in (None, "cal-0123456789abcdef", "none", 7):
+        sent = {"state": "s", "questions": {"q": {"type": "noul"}}}
+        if asked is not None:
+            sent["calibration"] = asked
+        r = parse_request(sent, strict=strict, calibrated=True)
+        assert r.calibration == asked and r.warnings == ()  # Clef.prepare matches it to the loaded one
+    plain = parse_request({"state": "s", "calibration": "v2", "questions": {"q": {"type": "noul"}}})
+    assert plain.calibration == "v2" and [w["field"] for w in plain.warnings] == ["calibration"]
+
+
 @pytest.mark.parametrize("instructions, rendered", [(5, "5"), (True, "true"), (0, "0"),
                                                      (1.5, "1.5"), (False, "false")])
 def test_any_json_instructions_render_like_the_reference(instructions, rendered):

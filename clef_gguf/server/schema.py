@@ -117,8 +117,9 @@ class SystemOneRequest(BaseModel):
     options: Options | None = None
     images: NoMedia = None
     videos: NoMedia = None
-    calibration: Any = Field(None, description="only \"none\" is available; another value is "
-                                               "ignored with a warning")
+    calibration: Any = Field(None, description="a model served without --calibration ignores it (with a "
+                                               "warning); with one, the loaded version or nothing, else "
+                                               "422 wrong_calibration")
     media_kwargs: dict[str, Any] | None = Field(None, description="ignored: there is no media")
 
 

@@ -317,7 +317,70 @@ def test_cli_entry_points(native_f32, tiny_model_dir, tmp_path, capsys):
     assert run_split(args) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["manifest"] and summary["outtype"] == "f32"
+    assert summary["calibration"] is None  # temperature.choice = 1.0 changes nothing: no file
     assert load_file(str(tmp_path / "out" / files.HEAD_WEIGHTS))["hidden_norm.weight"].dtype == torch.bfloat16
+
+
+# --------------------------------------------------------------------------- upstream temperatures
+
+F32 = gguf.GGUFValueType.FLOAT32
+TEMPERATURES = {"clef.decision.temperature.choice": (2.0, F32),
+                "clef.decision.temperature.noul.2": (0.5, F32),
+                "clef.decision.temperature.score.3_5": (1.0, F32)}
+
+
+def test_upstream_temperatures_are_kept_as_a_calibration_file(tiny_model_dir, tmp_path, capsys):
+    from clef_gguf.answer import split_probabilities
+    from clef_gguf.cli import main
+    from clef_gguf.evaluate.calibration import Calibration
+
+    native = write_native(tiny_model_dir, tmp_path / "t.gguf", keys=TEMPERATURES)
+    parser = argparse.ArgumentParser()
+    add_split_arguments(parser)
+    out = tmp_path / "out"
+    assert run_split(parser.parse_args([str(native), str(out), "--tokenizer",
+                                        str(tiny_model_dir / files.TOKENIZER)])) == 0
+    summary = json.loads(capsys.readouterr().out)
+    manifest = files.read_manifest(out)
+    assert summary["calibration"] == manifest["calibration"]
+    assert manifest["calibration"]["file"] == "calibration.json"
+    assert manifest["files"]["calibration.json"]["size"] == (out / "calibration.json").stat().st_size
+    cal = Calibration.load(out / "calibration.json")
+    assert cal.version == manifest["calibration"]["version"]
+    assert cal.temperatures == {"choice": 2.0, "noul.2": 0.5, "score.3_5": 1.0}
+    assert cal.body["bound_to"]["tower_sha256"] == manifest["files"]["tower-f32.gguf"]["sha256"]
+    # Bound to the split files (a load would refuse it otherwise) and applied as upstream does.
+    request = REQUESTS[0]
+    with Clef.load(out, max_length=2048, threads=2) as plain, \
+            Clef.load(out, max_length=2048, threads=2, calibration=out / "calibration.json") as tempered:
+        logits = plain.logits(plain.prepare(request).encoded)
+        got = tempered.probabilities(request)
+        assert tempered.decide(request)["audit"]["calibration_version"] == cal.version
+    want = split_probabilities(logits, (2, 3, 3), (0.5, 2.0, 1.0))  # noul, choice, score
+    assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
+    path = tmp_path / "request.json"
+    path.write_text(json.dumps(request))
+    assert main(["decide", "--model", str(out), "-r", str(path), "--threads", "1",
+                 "--calibration", str(out / "calibration.json")]) == 0
+    assert json.loads(capsys.readouterr().out)["audit"]["calibration_version"] == cal.version
+
+
+def test_temperatures_of_one_keep_the_directory_as_it_was(tiny_model_dir, tmp_path):
+    keys = {k: (1.0, F32) for k in TEMPERATURES}
+    out = split_native(write_native(tiny_model_dir, tmp_path / "t.gguf", keys=keys), tmp_path / "out",
+                       tokenizer=tiny_model_dir / files.TOKENIZER)
+    assert not (out / "calibration.json").exists() and "calibration" not in files.read_manifest(out)
+
+
+def test_refuses_temperatures_it_cannot_apply(tiny_model_dir, tmp_path):
+    cases = [({"clef.decision.temperature.choice.7": (2.0, F32)}, "temperature.choice.7"),
+             ({"clef.decision.temperature.ranking": (2.0, F32)}, "temperature.ranking"),
+             ({"clef.decision.temperature.noul": (0.0, F32)}, "must be a number"),
+             ({"clef.decision.temperature.noul": (float("nan"), F32)}, "must be a number")]
+    for i, (keys, match) in enumerate(cases):
+        case = tmp_path / str(i)
+        case.mkdir()
+        _refused(write_native(tiny_model_dir, case / "n.gguf", keys=keys), case, match)
 
 
 # --------------------------------------------------------------------------- refusals
