@@ -31,6 +31,22 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """An integer >= 0 (seeds)."""
+    value = _number(text, int, "a whole number")
+    if value < 0:
+        raise _refuse(f"must be at least 0 (got {value})")
+    return value
+
+
+def port(text: str) -> int:
+    """A TCP port, 0-65535 (0: any free one, where the command allows it)."""
+    value = _number(text, int, "a port number")
+    if not 0 <= value <= 65535:
+        raise _refuse(f"must be a port number from 0 to 65535 (got {value})")
+    return value
+
+
 def megabytes(text: str) -> float:
     """A size in MiB >= 0 (0 turns a cache off)."""
     value = _number(text, float, "a size in MiB")

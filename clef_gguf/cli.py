@@ -101,8 +101,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 def _fail(error: errors.ClefError) -> int:
     print(json.dumps(error.to_dict(), ensure_ascii=False))
     print(f"clef-gguf: {error}", file=sys.stderr)
-    # the request's or the flags' fault (exit 2) vs the model's (exit 1)
-    return 2 if error.status in (413, 422) or isinstance(error, errors.InvalidSetting) else 1
+    return error.exit_code
 
 
 def main(argv: list[str] | None = None) -> int:

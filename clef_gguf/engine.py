@@ -28,6 +28,10 @@ from clef_gguf.encode import Prepared
 
 log = logging.getLogger("clef_gguf.engine")
 
+# Requests prepared and ordered together: enough for the requests about one state in a typical file
+# to meet (and reuse its decoded [prefix][state]), few enough to keep memory and latency small.
+WINDOW = 64
+
 T = TypeVar("T")
 Answered = tuple[dict[str, Any], dict[str, float]]  # a response and its timings (``Clef.run``)
 Outcome = Answered | Exception  # what running one request gave: its answer or what it raised

@@ -18,6 +18,11 @@ class ClefError(Exception):
         self.message = message
         self.field = field
 
+    @property
+    def exit_code(self) -> int:
+        """The CLI's exit status: 2 for what the caller sent (a request, a flag), 1 for the rest."""
+        return 2 if self.status in (413, 422) or isinstance(self, InvalidSetting) else 1
+
     def to_dict(self) -> dict:
         return {"error": {"code": self.code, "message": self.message, "field": self.field}}
 

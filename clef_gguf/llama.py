@@ -5,9 +5,10 @@ for the 9B) and runs the 248K-row lm_head for every token. Instead the staging A
 ``llama_set_embeddings_nextn(ctx, true, false)`` hands back the post-``output_norm`` state of every
 token while the lm_head runs for one row only (docs/design/llama-cpp-notes.md §1).
 
-Importing this module changes nothing in the process: llama.cpp's log callback is installed and its
-backend initialised once, on the first model load (:func:`ensure_backend`), so an application that
-set its own callback before keeps it until it loads a tower.
+Importing this module adds nothing to what importing llama_cpp itself does (llama-cpp-python's own
+import sets its default log callback): our log callback is installed and the backend initialised
+once, on the first model load (:func:`ensure_backend`), so an application that set its own callback
+keeps it until it loads a tower.
 """
 
 from __future__ import annotations

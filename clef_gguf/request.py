@@ -71,9 +71,9 @@ def parse_json(raw: bytes | str) -> Any:
         raise errors.InvalidJson(f"not valid JSON: {exc}", field=None) from None
     except RecursionError:
         raise errors.InvalidJson("the JSON is nested too deeply to read", field=None) from None
-    except ValueError:  # a whole number past Python's int/str conversion limit (CVE-2020-10735)
+    except ValueError as exc:  # a whole number past Python's int/str conversion limit (CVE-2020-10735)
         _refuse_long_number(text)
-        raise
+        raise errors.InvalidJson(f"not readable JSON: {exc}", field=None) from None
 
 
 class _LongNumber(str):

@@ -107,6 +107,9 @@ class Clef:
         "none": the reference's probabilities. ``head_dtype``: the head's fp32 (default) or bf16 (the
         reference's own numerics); ``precision`` is its earlier name."""
         cal = calibration_file.load(calibration)  # a bad file fails before the tower loads
+        if precision is not None and head_dtype != "fp32" and precision != head_dtype:
+            raise errors.InvalidSetting(f"precision={precision!r} and head_dtype={head_dtype!r} disagree: "
+                                        "precision is head_dtype's earlier name, give one", field="precision")
         asked = "head_dtype" if precision is None else "precision"
         head_dtype = head_dtype if precision is None else precision
         if head_dtype not in HEAD_DTYPES:
@@ -196,7 +199,7 @@ class Clef:
         return self.run(self.prepare(request, truncate_state=truncate_state, strict=strict))[0]
 
     def decide_many(self, requests: Iterable[Any], *, truncate_state: bool = False,
-                    window: int = 64, pack: int | None = None) -> Iterator[dict]:
+                    window: int = engine.WINDOW, pack: int | None = None) -> Iterator[dict]:
         """One response per request, in input order, as a generator; a request that fails gives
         ``{"error": {code, message, field}}`` in its place instead of stopping the rest.
 

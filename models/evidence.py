@@ -58,7 +58,8 @@ def load(directory: str | Path) -> dict[str, Any]:
 
 
 def verdicts(summary: dict[str, Any], min_agreement: float | None) -> dict[str, Verdict]:
-    """Quant (upper case) -> whether it keeps the reference's answers, and why in words."""
+    """Quant (upper case) -> whether it keeps the reference's answers, and why in words. Two runs of one
+    quant type (from two sources, say) give one verdict: the one that does not keep, if either."""
     models = summary["models"]
     ref = models[0]
     ref_quant = str(ref["info"].get("quant") or "").upper()
@@ -82,7 +83,8 @@ def verdicts(summary: dict[str, Any], min_agreement: float | None) -> dict[str, 
             why = (f"accuracy delta {accuracy['delta']:+.4f} [{lo:+.4f}, {hi:+.4f}] vs {ref_quant} on "
                    f"{(m.get('deltas') or {}).get('n', n)} labelled questions "
                    f"({'within' if keeps else 'below'} the 95% bootstrap interval of no loss); {said}")
-        out[quant] = Verdict(quant, keeps, why)
+        if quant not in out or (out[quant].keeps and not keeps):
+            out[quant] = Verdict(quant, keeps, why)
     return out
 
 

@@ -84,7 +84,9 @@ def test_bad_json_is_a_clear_error_not_a_crash(tiny_model_dir, tmp_path, raw, co
 
 @pytest.mark.parametrize("args", [["decide", "--threads", "-3"], ["decide", "--threads", "0"],
                                   ["decide", "--max-length", "0"], ["pick", "--ctx", "0"],
-                                  ["serve", "--threads", "x"]])
+                                  ["serve", "--threads", "x"], ["serve", "--port", "70000"],
+                                  ["serve", "--replicas", "0"], ["eval", "--seed", "-1"],
+                                  ["calibrate", "--min-questions", "0"]])
 def test_bad_numbers_are_refused_naming_the_flag(tiny_model_dir, args):
     proc = clef_gguf(*args, "-m", tiny_model_dir, stdin=json.dumps(REQUEST)) if args[0] != "pick" \
         else clef_gguf(*args)

@@ -10,7 +10,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # source folder -> package name in site-packages (pyproject's package-dir)
 PACKAGES = {"clef_gguf": "clef_gguf", "heads": "clef_gguf.heads", "convert": "clef_gguf.convert",
             "models": "clef_gguf.models"}
-PIPELINE = ["request", "encode", "tower", "lexical", "answer", "runtime", "backends", "errors", "files",
+PIPELINE = ["request", "encode", "tower", "towers", "llama", "packing", "statecache", "engine", "lexical", "answer",
+            "runtime", "backends", "errors", "files", "limits",
             "nvfp4.checkpoint", "nvfp4.lexical", "nvfp4.model", "nvfp4.tower", "nvfp4.kernels", "nvfp4.format"]
 
 

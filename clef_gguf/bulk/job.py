@@ -13,7 +13,7 @@ import argparse
 import os
 from pathlib import Path
 
-from clef_gguf import errors
+from clef_gguf import engine, errors
 from clef_gguf.argtypes import positive_int, seconds
 from clef_gguf.bulk import options, records
 from clef_gguf.bulk.output import Output
@@ -21,7 +21,6 @@ from clef_gguf.bulk.progress import Progress
 from clef_gguf.bulk.stopping import Interrupted, Stopper
 from clef_gguf.cli_options import add_model_arguments, load_model
 
-DEFAULT_WINDOW = 64  # decide_many's: enough to meet a state's repeats in a typical file
 DEFAULT_LOG_EVERY_S = 10.0
 
 
@@ -48,10 +47,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--truncate-state", action="store_true",
                    help="cut an over-long state to fit the window instead of answering that "
                         "record with context_too_large")
-    g.add_argument("--window", type=positive_int, default=DEFAULT_WINDOW, metavar="N",
+    g.add_argument("--window", type=positive_int, default=engine.WINDOW, metavar="N",
                    help="records computed together: requests about one state within N "
                         "consecutive records decode it once; also what an interruption may have "
-                        f"to redo (written records are never redone) (default {DEFAULT_WINDOW})")
+                        f"to redo (written records are never redone) (default {engine.WINDOW})")
     g.add_argument("--log-every", type=seconds, default=DEFAULT_LOG_EVERY_S, metavar="SECONDS",
                    help="when stderr is not a terminal, a progress line every SECONDS (default "
                         f"{DEFAULT_LOG_EVERY_S:g}; 0: after every record); a terminal gets a "

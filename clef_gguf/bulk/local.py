@@ -16,7 +16,7 @@ from clef_gguf.bulk.output import output_record
 from clef_gguf.bulk.records import Record
 
 
-def results(clef: engine.Model, records: Iterable[Record], *, window: int = 64,
+def results(clef: engine.Model, records: Iterable[Record], *, window: int = engine.WINDOW,
             truncate_state: bool = False) -> Iterator[dict]:
     for chunk in engine.windows(records, window):
         readable = [r.request for r in chunk if r.error is None]

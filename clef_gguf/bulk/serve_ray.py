@@ -23,7 +23,6 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from clef_gguf import errors
 from clef_gguf.bulk import options
 from clef_gguf.bulk.deps import need
 from clef_gguf.cpus import available_cpus
@@ -76,9 +75,6 @@ def application(load_kwargs: dict, app_factory: Callable, app_kwargs: dict, *, r
 
 def run(args: argparse.Namespace, app_factory: Callable) -> int:
     """Start Ray (``$RAY_ADDRESS``, else a private one), deploy, serve until Ctrl-C / SIGTERM."""
-    if args.replicas < 1:
-        raise errors.InvalidValue(f"--replicas must be at least 1 (got {args.replicas})",
-                                  field="replicas")
     ray = need("ray", "ray")
     serve = need("ray.serve", "ray")
     threads = options.per_replica_threads(args.threads, args.replicas)

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from clef_gguf import __version__, answer, errors
-from clef_gguf.argtypes import fraction
+from clef_gguf.argtypes import fraction, non_negative_int, positive_int
 from clef_gguf.evaluate import agreement, fit, metrics, predict
 from clef_gguf.evaluate import calibration as cal
 from clef_gguf.evaluate import records as labelled
@@ -44,8 +44,8 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
                         "Q8_0 build of the same release) by minimising KL(reference || model)")
     g.add_argument("--holdout", type=fraction, default=HOLDOUT, metavar="FRACTION",
                    help=f"share of the records held out to check the fit (default {HOLDOUT})")
-    g.add_argument("--seed", type=int, default=0, help="seed of the held-out split (default 0)")
-    g.add_argument("--min-questions", type=int, default=fit.MIN_QUESTIONS, metavar="N",
+    g.add_argument("--seed", type=non_negative_int, default=0, help="seed of the held-out split (default 0)")
+    g.add_argument("--min-questions", type=positive_int, default=fit.MIN_QUESTIONS, metavar="N",
                    help="questions a band needs for a temperature of its own; fewer fall back to "
                         f"the type's, then to 1.0 (default {fit.MIN_QUESTIONS})")
     g.add_argument("--work", metavar="DIR",

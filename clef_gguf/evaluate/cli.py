@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from clef_gguf import errors
-from clef_gguf.argtypes import positive_int
+from clef_gguf.argtypes import non_negative_int, positive_int
 from clef_gguf.cli_options import add_model_arguments, load_model
 from clef_gguf.evaluate import agreement, demo, metrics, plots, predict, report, stats
 from clef_gguf.evaluate import records as labelled
@@ -57,7 +57,7 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--plots", action="store_true",
                    help="also write reliability.png and tradeoff.png (needs matplotlib: pip "
                         "install 'clef-gguf[eval]')")
-    g.add_argument("--seed", type=int, default=0, help="bootstrap seed (default 0)")
+    g.add_argument("--seed", type=non_negative_int, default=0, help="bootstrap seed (default 0)")
     g.add_argument("--resamples", type=positive_int, default=stats.BOOTSTRAP,
                    help=f"bootstrap resamples (default {stats.BOOTSTRAP})")
     g.add_argument("--truncate-state", action="store_true",

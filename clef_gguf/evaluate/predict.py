@@ -31,7 +31,6 @@ from clef_gguf.runtime import Clef, Prepared
 
 JOURNAL = "records.jsonl"
 RUN = "run.json"
-WINDOW = 64  # records prepared and ordered together (requests about one state meet within it)
 
 
 class LogitsModel:
@@ -93,7 +92,7 @@ def write_json(path: Path, obj: Any) -> None:
 
 def run_model(load: Callable[[], Clef], records: list[labelled.LabelledRecord], directory: Path,
               *, label: str, identity: dict[str, Any], truncate_state: bool = False,
-              window: int = WINDOW, progress: bool = True, with_binding: bool = False) -> ModelRun:
+              window: int = engine.WINDOW, progress: bool = True, with_binding: bool = False) -> ModelRun:
     """Compute what ``directory`` does not hold yet, and return every record's line.
     ``with_binding``: also hash what a calibration of this model binds to (``info["binding"]``)."""
     directory.mkdir(parents=True, exist_ok=True)

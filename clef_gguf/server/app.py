@@ -135,20 +135,22 @@ def openapi_document(app: FastAPI, max_batch: int) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- command line
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """``clef-gguf serve`` flags: the shared model flags plus the server's own."""
+def add_arguments(p: argparse.ArgumentParser, *, page_flag: bool = True) -> None:
+    """``clef-gguf serve`` flags: the shared model flags plus the server's own (``page_flag``: whether
+    ``--no-ui`` is one; ``clef-gguf ui`` serves the page, so it has no such flag)."""
     from clef_gguf.cli_options import add_model_arguments
 
     add_model_arguments(p)
     g = p.add_argument_group("server")
     g.add_argument("--host", default=DEFAULT_HOST,
                    help="address to bind (default 127.0.0.1: this machine only)")
-    g.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default 8080)")
+    g.add_argument("--port", type=argtypes.port, default=DEFAULT_PORT, help="port (default 8080)")
     g.add_argument("--api-key", default=os.environ.get("CLEF_GGUF_API_KEY") or None,
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health "
                         "(default: $CLEF_GGUF_API_KEY; prefer the variable, argv is visible in ps)")
-    g.add_argument("--no-ui", action="store_true",
-                   help="do not serve the playground page on GET / (the API only)")
+    if page_flag:
+        g.add_argument("--no-ui", action="store_true",
+                       help="do not serve the playground page on GET / (the API only)")
     g.add_argument("--queue-size", type=argtypes.positive_int, default=DEFAULT_QUEUE_SIZE,
                    help=f"requests that may wait for the model, and as many again for a "
                         f"tokenizer thread; more get 429 + Retry-After "
@@ -168,7 +170,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="uvicorn (default): this process; ray-serve: --replicas Ray Serve "
                         "replicas of this app, one model copy each, --threads threads each "
                         "(Ray from $RAY_ADDRESS, else a private one; pip install 'clef-gguf[ray]')")
-    g.add_argument("--replicas", type=int, default=1,
+    g.add_argument("--replicas", type=argtypes.positive_int, default=1,
                    help="with --engine ray-serve: model replicas (default 1)")
 
 
@@ -245,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         return run(args)
     except ClefError as exc:
         print(exc, file=sys.stderr)
-        return 1
+        return exc.exit_code
 
 
 if __name__ == "__main__":

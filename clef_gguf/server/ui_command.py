@@ -22,7 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """``clef-gguf ui``: the ``serve`` flags, a free loopback port by default, and the browser."""
     from clef_gguf.server.app import add_arguments as add_serve_arguments
 
-    add_serve_arguments(p)
+    add_serve_arguments(p, page_flag=False)
     p.set_defaults(port=0)  # 0: a free port, chosen at start
     for action in p._actions:
         if action.dest == "port":
@@ -36,10 +36,6 @@ def run(args: argparse.Namespace) -> int:
     from clef_gguf.server import app
     from clef_gguf.server.http import free_port
 
-    if getattr(args, "no_ui", False):
-        print("clef-gguf ui: --no-ui turns off the page this command opens; use clef-gguf serve",
-              file=sys.stderr)
-        return 2
     if not args.port:
         args.port = free_port()
     host = "[::1]" if args.host == "::1" else args.host

@@ -25,7 +25,8 @@ import numpy as np
 
 from clef_gguf import answer
 from clef_gguf.statecache import StateCache
-from clef_gguf.tower import extra_buffer_types
+from clef_gguf.errors import InvalidValue
+from clef_gguf.tower import Tower, extra_buffer_types
 
 class BarePrefill:
     """A plain llama.cpp context: logits for the last token of each chunk, nothing else."""
@@ -76,9 +77,11 @@ def alternate(a: Callable[[], object], b: Callable[[], object], rounds: int) -> 
 
 
 def versus_prefill(clef, request: dict, rounds: int) -> dict:
+    if not isinstance(clef.tower, Tower):
+        raise InvalidValue("--versus prefill compares against llama.cpp: it needs a GGUF tower", field="backend")
     plain = StateCache(0)
     ids = clef.prepare(request).encoded.ids
-    bare = BarePrefill(clef.files.tower, clef.tower.n_ctx, clef.tower._ctx.n_batch,
+    bare = BarePrefill(clef.files.tower, clef.tower.n_ctx, clef.tower.n_batch,
                        clef.tower.threads)
     try:
         bare(ids)  # warm-up both: page in the mmap

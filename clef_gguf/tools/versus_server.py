@@ -237,7 +237,7 @@ def _use_ubatch(clef, n_ubatch: int) -> None:
     from clef_gguf.tower import Tower
 
     old = clef.tower
-    if old._ctx.n_batch == n_ubatch:
+    if old.n_batch == n_ubatch:
         return
     clef.tower = Tower.load(old.path, n_ctx=old.n_ctx, threads=old.threads, n_batch=n_ubatch,
                             gpu_layers=old.gpu_layers)

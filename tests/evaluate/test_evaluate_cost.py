@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 from clef_gguf.evaluate.cost import Cost, PeakRss, file_bytes
 
@@ -26,5 +27,10 @@ def test_peak_rss_sees_memory_taken_inside_the_block():
         before = rss.peak
         block = bytearray(64 << 20)
         block[::4096] = b"\1" * len(block[::4096])  # touch every page
+        # The sampler thread must see it while it is held (on a busy machine it may take a while
+        # to be scheduled): wait for it, boundedly, then free it; the peak must stay.
+        deadline = time.monotonic() + 30
+        while rss.peak < before + (48 << 20) and time.monotonic() < deadline:
+            time.sleep(0.01)
         del block
     assert rss.peak >= before + (48 << 20)

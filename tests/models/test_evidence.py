@@ -43,6 +43,12 @@ def test_min_agreement_picks_the_smallest_that_keeps_it():
     assert evidence.apply(recommendation(), summary, 0.9).quant == "IQ2_M"
 
 
+def test_two_runs_of_one_quant_type_give_the_verdict_that_does_not_keep():
+    for order in ((0.995, 0.90), (0.90, 0.995)):
+        summary = {"models": [model("Q8_0"), *(model("Q4_K_M", top1=t) for t in order)]}
+        assert evidence.verdicts(summary, 0.99)["Q4_K_M"].keeps is False
+
+
 def test_without_min_agreement_the_accuracy_interval_decides():
     summary = {"models": [model("Q8_0"), model("Q4_K_M", top1=0.97, accuracy=(-0.004, -0.02, 0.01)),
                           model("IQ2_M", top1=0.95, accuracy=(-0.05, -0.08, -0.02))]}
