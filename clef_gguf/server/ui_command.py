@@ -23,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from clef_gguf.server.app import add_arguments as add_serve_arguments
 
     add_serve_arguments(p, page_flag=False)
-    p.set_defaults(port=0)  # 0: a free port, chosen at start
+    p.set_defaults(port=0, no_ui=False)  # 0: a free port, chosen at start; the page is on
     for action in p._actions:
         if action.dest == "port":
             action.help = "port (default: a free one)"

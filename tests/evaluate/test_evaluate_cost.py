@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import mmap
 import time
 
 from clef_gguf.evaluate.cost import Cost, PeakRss, file_bytes
@@ -25,12 +26,15 @@ def test_file_bytes_counts_directories_and_skips_missing(tmp_path):
 def test_peak_rss_sees_memory_taken_inside_the_block():
     with PeakRss() as rss:
         before = rss.peak
-        block = bytearray(64 << 20)
-        block[::4096] = b"\1" * len(block[::4096])  # touch every page
+        # A fresh anonymous mapping: pages malloc already holds (freed by earlier tests) could be
+        # reused without the resident set growing.
+        block = mmap.mmap(-1, 64 << 20)
+        for offset in range(0, len(block), 4096):  # touch every page
+            block[offset] = 1
         # The sampler thread must see it while it is held (on a busy machine it may take a while
         # to be scheduled): wait for it, boundedly, then free it; the peak must stay.
         deadline = time.monotonic() + 30
         while rss.peak < before + (48 << 20) and time.monotonic() < deadline:
             time.sleep(0.01)
-        del block
+        block.close()
     assert rss.peak >= before + (48 << 20)
