@@ -121,6 +121,7 @@ WORDS = st.lists(st.one_of(st.text(min_size=1, max_size=12), st.sampled_from(
     min_size=1, max_size=400)
 
 
+@pytest.mark.slow  # hypothesis over long texts
 @SETTINGS
 @given(words=WORDS, room=st.integers(1, 2000))
 def test_bounded_state_tokenization_keeps_the_whole_texts_ids(encoder, words, room):

@@ -74,6 +74,7 @@ def test_long_prompts_over_many_chunks_agree(models):
     assert second["usage"]["cached_tokens"] > 0
 
 
+@pytest.mark.slow  # many prompts through a small budget
 def test_the_cache_stays_under_its_budget(tiny_model_dir):
     with Clef.load(tiny_model_dir, state_cache_mb=0.4) as clef:  # a few entries of ~100 KB
         for i in range(30):
@@ -104,6 +105,7 @@ def test_the_budget_must_be_a_size(tiny_model_dir, mb):
     assert info.value.field == "state_cache_mb"
 
 
+@pytest.mark.slow  # many decisions
 def test_decide_many_answers_in_order_groups_by_state_and_keeps_going(tiny_model_dir):
     other = {"ticket": "Printer on fire"}
     requests = [{"state": DOC, "questions": QUESTION_SETS[0]},

@@ -35,6 +35,7 @@ def test_hidden_states_shape_and_determinism(gguf_path, ids):
         assert np.isfinite(h1).all()
 
 
+@pytest.mark.slow  # a prompt of several chunks, twice
 def test_long_prompt_is_decoded_in_chunks(gguf_path, ids):
     with Tower.load(gguf_path, n_ctx=1024, threads=2, n_batch=512) as big:
         ref = big.hidden_states(ids)

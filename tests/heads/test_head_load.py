@@ -287,6 +287,7 @@ FUZZ = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # hundreds of damaged files in child processes
 def test_corrupted_files_never_crash_the_process(saved, tmp_path_factory):
     """Truncations, absurd header lengths and header byte flips, in a child process so a crash is visible."""
     directory, _ = saved
