@@ -10,6 +10,7 @@ A file can be served corrupted (different bytes than its advertised sha256) to t
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import threading
@@ -226,3 +227,17 @@ def nvfp4_checkpoint(*, shards: int = 1, head: dict[str, bytes] | None = None, s
         files["model.safetensors.index.json"] = json.dumps({"metadata": {}, "weight_map": weight_map}).encode()
     files.update(head or {})
     return files
+
+
+def cli_parsers(catalog: dict, tmp_path, monkeypatch) -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """``pull`` and ``list`` parsers as the CLI builds them, reading ``catalog`` (written to tmp_path)."""
+    from clef_gguf.models import commands
+    from clef_gguf.models.catalog import CATALOG_ENV
+
+    path = tmp_path / "catalog.json"
+    path.write_text(json.dumps(catalog))
+    monkeypatch.setenv(CATALOG_ENV, str(path))
+    pull_parser, list_parser = argparse.ArgumentParser(), argparse.ArgumentParser()
+    commands.add_pull_arguments(pull_parser)
+    commands.add_list_arguments(list_parser)
+    return pull_parser, list_parser

@@ -15,7 +15,7 @@ from importlib import resources
 
 import pytest
 
-from _fakehub import FakeHub, head_source, nvfp4_checkpoint, point_at, sha256
+from _fakehub import FakeHub, cli_parsers, head_source, nvfp4_checkpoint, point_at, sha256
 from clef_gguf.errors import CorruptModel, ModelNotFound, PinMismatch
 from clef_gguf.files import from_directory
 from clef_gguf.models import commands, hub, listing, pins, placement
@@ -261,12 +261,7 @@ def test_names_and_auto(cat, fake_hub):
 
 
 def test_cli_pull_list_and_help(fake_hub, cat, tmp_path, monkeypatch, capsys):
-    path = tmp_path / "catalog.json"
-    path.write_text(json.dumps(catalog_dict()))
-    monkeypatch.setenv(CATALOG_ENV, str(path))
-    pull_parser, list_parser = argparse.ArgumentParser(), argparse.ArgumentParser()
-    commands.add_pull_arguments(pull_parser)
-    commands.add_list_arguments(list_parser)
+    pull_parser, list_parser = cli_parsers(catalog_dict(), tmp_path, monkeypatch)
     assert "clef-flash:nvfp4a16" in pull_parser.format_help() and "NVFP4" in list_parser.format_help()
 
     assert commands.run_pull(pull_parser.parse_args(["clef-flash:nvfp4a16", "--no-progress", "--json"])) == 0

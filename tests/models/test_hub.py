@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 
 import pytest
 
-from _fakehub import FakeHub, head_source, point_at, sha256
+from _fakehub import FakeHub, cli_parsers, head_source, point_at, sha256
 from clef_gguf.models import commands, hub, listing
 from clef_gguf.models.machine import GiB, DeviceProfile
 from clef_gguf.errors import ConversionError, CorruptModel, ModelNotFound, NoQuantFits
-from clef_gguf.models.catalog import CATALOG_ENV, Catalog
+from clef_gguf.models.catalog import Catalog
 
 TOWER_REPO, HEAD_REPO, LOOSE_REPO, NATIVE_REPO = (
     "test-org/clef-flash-GGUF", "test-org/clef-flash", "other/clef-flash-GGUF", "test-org/Native-GGUF")
@@ -249,12 +248,7 @@ def test_a_native_file_that_cannot_be_split_is_refused_and_leaves_nothing(fake_h
 
 
 def test_cli_pull_and_list(fake_hub, tmp_path, monkeypatch, capsys):
-    path = tmp_path / "catalog.json"
-    path.write_text(json.dumps(catalog_dict()))
-    monkeypatch.setenv(CATALOG_ENV, str(path))
-    pull_parser, list_parser = argparse.ArgumentParser(), argparse.ArgumentParser()
-    commands.add_pull_arguments(pull_parser)
-    commands.add_list_arguments(list_parser)
+    pull_parser, list_parser = cli_parsers(catalog_dict(), tmp_path, monkeypatch)
 
     assert commands.run_list(list_parser.parse_args([])) == 0
     assert "no Clef models" in capsys.readouterr().out
