@@ -53,6 +53,9 @@ class Provenance:
     precision: str  # the tower's weight format (q4_k_m, f32, nvfp4...): the audit's name for it
     template_sha256: str
     calibration_version: str = "none"
+    # A fine-tune's own parts: {"name", "adapter_sha256", "head_sha256", ...}; None for the base
+    # (whose audit stays as it was). For a merged release, what its CLEF_FINETUNE.json says.
+    fine_tune: dict[str, Any] | None = None
 
 
 def split_probabilities(logits: np.ndarray, counts: tuple[int, ...],
@@ -90,6 +93,8 @@ def envelope(request: Request, probs: list[np.ndarray], n_tokens: int, provenanc
             "precision": provenance.precision,
         },
     }
+    if provenance.fine_tune is not None:
+        response["audit"]["fine_tune"] = dict(provenance.fine_tune)
     if truncated:
         response["truncated"] = True
     if request.warnings:  # keys the reference ignores, named so that a typo does not go unseen

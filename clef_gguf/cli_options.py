@@ -63,9 +63,20 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "model (softmax(logits / T) per question; audit.calibration_version names "
                         "it); a file fitted on other weights is refused. Default: none (T = 1, "
                         "the reference's probabilities)")
+    add_adapter_argument(g)
+
+
+def add_adapter_argument(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--adapter", action="append", metavar="[NAME=]DIR", default=None,
+                   help="a fine-tune on this tower (a `clef-gguf convert adapter` directory: a LoRA "
+                        "applied by llama.cpp at run time, on any quant of its base, plus its head). "
+                        "One bare DIR: it answers every request. Repeat as NAME=DIR for several: "
+                        "the tower loads once, the base answers unless a request's \"model\" names "
+                        "one (an unknown name: error unknown_model)")
 
 
 def load_model(args: argparse.Namespace) -> Clef:
+    from clef_gguf import finetunes
     from clef_gguf.runtime import Clef
 
     return Clef.load(args.model, gguf=args.gguf, head=args.head, head_config=args.head_config,
@@ -73,7 +84,8 @@ def load_model(args: argparse.Namespace) -> Clef:
                      head_dtype=args.head_dtype, allow_download=not args.offline,
                      strict=args.strict, state_cache_mb=args.state_cache_mb,
                      gpu_layers=args.gpu_layers, head_threads=args.head_threads,
-                     backend=args.backend, calibration=getattr(args, "calibration", None))
+                     backend=args.backend, calibration=getattr(args, "calibration", None),
+                     adapters=finetunes.parse_flags(getattr(args, "adapter", None)))
 
 
 def read_request(source: str) -> Any:

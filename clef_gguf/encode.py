@@ -86,6 +86,8 @@ class Prepared:
     request: Request
     encoded: Encoded
     encode_ms: float
+    # Which of a Clef's models answers (the base or a fine-tune, by name); "" : the one prepared on.
+    model: str = ""
 
 
 class Encoder:

@@ -21,7 +21,7 @@ class ClefError(Exception):
     @property
     def exit_code(self) -> int:
         """The CLI's exit status: 2 for what the caller sent (a request, a flag), 1 for the rest."""
-        return 2 if self.status in (413, 422) or isinstance(self, InvalidSetting) else 1
+        return 2 if self.status in (404, 413, 422) or isinstance(self, InvalidSetting) else 1
 
     def to_dict(self) -> dict:
         return {"error": {"code": self.code, "message": self.message, "field": self.field}}
@@ -113,6 +113,13 @@ class HeadMismatch(ModelLoadError):
     code = "head_mismatch"
 
 
+class AdapterMismatch(ModelLoadError):
+    """A fine-tune that does not fit the tower it is loaded on (another base, size or architecture),
+    or an adapter file llama.cpp cannot read."""
+
+    code = "adapter_mismatch"
+
+
 class PinMismatch(ModelLoadError):
     """The Hub no longer serves what a source's first pull pinned: main moved, or a file changed."""
 
@@ -192,6 +199,13 @@ class TooManyInputs(InvalidRequest):
 class InvalidContentLength(ClefError):
     code = "invalid_content_length"
     status = 400
+
+
+class UnknownModel(ClefError):
+    """A request's ``model`` names none of the models (base and fine-tunes) this process serves."""
+
+    code = "unknown_model"
+    status = 404
 
 
 class Unauthorized(ClefError):

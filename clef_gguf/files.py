@@ -48,6 +48,9 @@ class ModelFiles:
     # resolved path -> (sha256, size, mtime_ns bound): a known hash is trusted only for the very
     # file it was computed on, unchanged since (same size, not modified after the bound).
     hashed: dict[str, tuple[str, int, int]] = field(default_factory=dict)
+    # A merged fine-tune's provenance (its CLEF_FINETUNE.json, kept in the manifest as "finetune"):
+    # the audit names it. None for a release that is not a fine-tune.
+    fine_tune: dict | None = None
 
     def remember(self, path: Path, sha: str, size: int, as_of_ns: int) -> None:
         self.sha256[path.name] = sha
@@ -163,6 +166,8 @@ def _remember_manifest(files: ModelFiles, directory: Path, manifest: dict) -> No
     """Trust the manifest's hashes for files unchanged since it was written (it is written after
     its files were hashed: a file changed later is newer)."""
     written_ns = (directory / MANIFEST).stat().st_mtime_ns
+    if isinstance(manifest.get("finetune"), dict):
+        files.fine_tune = manifest["finetune"]
     for name, entry in manifest.get("files", {}).items():
         if isinstance(entry, dict) and isinstance(entry.get("sha256"), str) \
                 and isinstance(entry.get("size"), int):

@@ -27,17 +27,18 @@ OUTPUT, TIED = "output.weight", "token_embd.weight"
 CACHE_BYTES = 64 << 20
 
 
-def open_gguf(path: str | Path) -> gguf.GGUFReader:
-    """Parse a GGUF's header and tensor table (mmap); a truncated or foreign file -> CorruptModel."""
+def open_gguf(path: str | Path, field: str = "tower") -> gguf.GGUFReader:
+    """Parse a GGUF's header and tensor table (mmap); a truncated or foreign file -> CorruptModel
+    (``field``: which of the model's files it is)."""
     path = Path(path)
     if not path.is_file():
-        raise ModelNotFound(f"GGUF file not found: {path}", field="tower")
+        raise ModelNotFound(f"GGUF file not found: {path}", field=field)
     ensure_gguf_types()  # PyPI gguf lacks Q2_0: without this a Q2_0 file raises ValueError
     try:
         reader = _Reader(path, "r")
         _check_table(reader)
     except Exception as exc:  # gguf-py raises ValueError, struct.error, IndexError... on bad bytes
-        raise CorruptModel(f"{path} is not a readable GGUF file ({exc})", field="tower") from None
+        raise CorruptModel(f"{path} is not a readable GGUF file ({exc})", field=field) from None
     return reader
 
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import llama_cpp as ll
 import numpy as np
 
-from clef_gguf.errors import CorruptModel, InferenceError
+from clef_gguf.errors import AdapterMismatch, CorruptModel, InferenceError
 
 if TYPE_CHECKING:
     from clef_gguf.packing import Slot
@@ -193,6 +193,26 @@ class _Model:
             self.ptr = None
 
 
+class _Adapter:
+    """Owns a ``llama_adapter_lora*`` loaded on a model: a LoRA applied at run time, on any quant of
+    the base it was made for. llama.cpp checks every ``X.lora_a``/``X.lora_b`` against base tensor
+    ``X`` (a file for another base fails here); it is freed before its model."""
+
+    def __init__(self, model: _Model, path: Path, scale: float = 1.0):
+        with captured() as lines:
+            self.ptr = ll.llama_adapter_lora_init(model.ptr, str(path).encode())
+        if not self.ptr:
+            detail = errors_in(lines) or "llama.cpp gave no reason"
+            raise AdapterMismatch(f"llama.cpp could not load the adapter {path}: {detail}", field="adapter")
+        self.path, self.scale = path, float(scale)
+        self.model = model
+
+    def close(self) -> None:
+        if self.ptr:
+            ll.llama_adapter_lora_free(self.ptr)
+            self.ptr = None
+
+
 _COMPUTE_BUFFER = re.compile(r"compute buffer size =\s*([0-9.]+) MiB")
 
 
@@ -223,6 +243,7 @@ class _Context:
         params.flash_attn_type = attention.flash_attn
         self.attention = attention
         self.nextn = _set_nextn is not None and _get_nextn is not None
+        self.adapter: _Adapter | None = None  # the LoRA the next decode applies (None: the base)
         # Fallback when the staging API is missing: embeddings mode (pays the lm_head per token).
         params.embeddings = not self.nextn
         # nextn: only the last token of a chunk is an output (1 lm_head row). Embeddings mode makes
@@ -241,6 +262,20 @@ class _Context:
         # llama.cpp reports its compute buffers (one per backend) only in its log.
         self.compute_bytes = int(sum(float(m.group(1)) for _, text in lines
                                      if (m := _COMPUTE_BUFFER.search(text))) * (1 << 20))
+
+    def use(self, adapter: _Adapter | None) -> None:
+        """Apply ``adapter`` (None: none) from the next decode on. llama.cpp keeps the set on the
+        context and rebuilds its graph on the next decode after a change; the same set costs
+        nothing. Saved sequence states do not depend on it (only the states decoded after)."""
+        if adapter is self.adapter:
+            return
+        if adapter is None:
+            ll.llama_set_adapters_lora(self.ptr, None, 0, None)
+        else:
+            ptrs = (ll.llama_adapter_lora_p_ctypes * 1)(adapter.ptr)
+            scales = (ctypes.c_float * 1)(adapter.scale)
+            ll.llama_set_adapters_lora(self.ptr, ptrs, 1, scales)
+        self.adapter = adapter
 
     def rows(self, n: int, n_embd: int) -> np.ndarray:
         ptr = _get_nextn(self.ptr) if self.nextn else ll.llama_get_embeddings(self.ptr)

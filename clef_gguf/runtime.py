@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from clef_gguf import answer, backends, engine, errors, files as model_files, statecache
+from clef_gguf import answer, backends, engine, errors, files as model_files, finetunes, statecache
 from clef_gguf.encode import DEFAULT_MAX_LENGTH, TEMPLATE_SHA256, Encoded, Encoder, Prepared
 from clef_gguf.evaluate import calibration as calibration_file
 from clef_gguf.heads import head_scalars, load_head
@@ -29,6 +30,12 @@ log = logging.getLogger("clef_gguf")
 # The head's dtype. "precision" is the audit's name for the tower's weight format (q4_k_m, f32...),
 # so the head's is called head_dtype everywhere (``precision=`` stays accepted as its old spelling).
 HEAD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _named_model(request: Any) -> str | None:
+    """The ``model`` a request body names, if it is a string (``parse_request`` checks the rest)."""
+    name = request.get("model") if isinstance(request, dict) else None
+    return name if isinstance(name, str) else None
 
 
 def resolve(model: str | Path | None = None, *, gguf: str | Path | None = None,
@@ -83,12 +90,19 @@ class Clef:
     def __init__(self, files: model_files.ModelFiles, tower: LanguageTower, lexical: RowStore,
                  head: torch.nn.Module, encoder: Encoder, provenance: answer.Provenance,
                  info: dict[str, Any], *, strict: bool = False,
-                 state_cache_mb: float = statecache.DEFAULT_MB):
+                 state_cache_mb: float = statecache.DEFAULT_MB,
+                 state_cache: statecache.StateCache | None = None):
         self.files, self.tower, self.lexical, self.head = files, tower, lexical, head
         self.strict = strict  # refuse what the reference ignores, and apply Jev's count limits
-        self.state_cache = statecache.StateCache(int(state_cache_mb * (1 << 20)))
+        self.state_cache = (state_cache if state_cache is not None
+                            else statecache.StateCache(int(state_cache_mb * (1 << 20))))
         self.encoder, self.provenance, self.info = encoder, provenance, info
         self.head_dtype = next(head.parameters()).dtype
+        # The models this process answers with, by name: the base and its fine-tunes
+        # (``finetunes.attach``), one dict shared by all of them; a request's ``model`` picks one.
+        self.models: dict[str, Clef] = {provenance.model_name: self}
+        self.default = provenance.model_name  # who answers a request that names no model
+        self.base = self  # the model that owns the tower
 
     @classmethod
     def load(cls, model: str | Path | None = None, *, gguf: str | Path | None = None,
@@ -100,12 +114,15 @@ class Clef:
              gpu_layers: int | str = "auto", head_threads: int | None = None,
              backend: str | None = None,
              calibration: str | Path | calibration_file.Calibration | None = None,
-             precision: str | None = None) -> Clef:
+             precision: str | None = None, adapters: finetunes.Adapters | None = None) -> Clef:
         """``backend``: ``gguf`` (llama.cpp) or ``nvfp4`` (a compressed-tensors checkpoint in
         PyTorch); None or ``auto``: what the model's files are. ``calibration``: a CAL.json
         written by ``clef-gguf calibrate`` for these very files (refused otherwise); None or
         "none": the reference's probabilities. ``head_dtype``: the head's fp32 (default) or bf16 (the
-        reference's own numerics); ``precision`` is its earlier name."""
+        reference's own numerics); ``precision`` is its earlier name. ``adapters``: fine-tunes
+        (``clef-gguf convert adapter`` directories) on this tower: one directory (it answers every
+        request) or ``{name: directory}`` (the base answers unless a request's ``model`` names one);
+        the tower is loaded once whatever their number."""
         cal = calibration_file.load(calibration)  # a bad file fails before the tower loads
         if precision is not None and head_dtype != "fp32" and precision != head_dtype:
             raise errors.InvalidSetting(f"precision={precision!r} and head_dtype={head_dtype!r} disagree: "
@@ -145,14 +162,8 @@ class Clef:
                                       f"{lexical.hidden_size}", field="tower")
         model_hash = opened.model_hash()  # the files that run, not the ones a manifest named
         quant = opened.quant
-        if cal is not None:
-            try:
-                cal.check_bound(calibration_file.binding(found, model_hash, TEMPLATE_SHA256))
-            except errors.ClefError:
-                tower.close()
-                raise
         provenance = answer.Provenance(found.name, model_hash, opened.runner, quant, TEMPLATE_SHA256,
-                                       cal.version if cal else calibration_file.NONE)
+                                       fine_tune=finetunes.merged_audit(found.fine_tune))
         info = {"name": found.name, "quant": quant, "revision": found.revision,
                 "files": {p.name: found.known_sha256(p) for p in found.paths().values()}
                 | {found.tower.name: model_hash},
@@ -165,19 +176,71 @@ class Clef:
                  tower.n_embd, "the GPU" if tower.gpu_layers else "the CPU", head_scalars(joint))
         clef = cls(found, tower, lexical, joint, encoder, provenance, info, strict=strict,
                    state_cache_mb=state_cache_mb)
-        clef.calibration = cal
-        return clef
+        try:
+            chosen = clef._attach(adapters)
+            if cal is not None:
+                cal.check_bound(chosen.calibration_binding())
+                chosen.calibration = cal
+                chosen.provenance = dataclasses.replace(chosen.provenance, calibration_version=cal.version)
+        except BaseException:
+            tower.close()
+            raise
+        return chosen
+
+    def _attach(self, adapters: finetunes.Adapters | None) -> Clef:
+        """Load ``adapters`` beside this base; the model that answers by default."""
+        names, fine_default = finetunes.named(adapters)
+        for name, directory in names.items():
+            if name in self.models:
+                raise errors.InvalidSetting(f"the fine-tune name {name!r} is already the base's "
+                                            "name: give it another", field="adapters")
+            tune = finetunes.load(self.tower, self.provenance, self.lexical.hidden_size, self.head_dtype,
+                                  name, directory)
+            model = type(self)(self.files, tune.tower, self.lexical, tune.head, self.encoder,
+                               tune.provenance, self.info | tune.info, strict=self.strict,
+                               state_cache=self.state_cache)
+            model.models, model.base = self.models, self
+            self.models[name] = model
+        if fine_default:
+            self.default = next(iter(names))
+        for model in self.models.values():
+            model.default = self.default
+        return self.models[self.default]
+
+    def calibration_binding(self) -> dict[str, str | None]:
+        """What a calibration of this model must be bound to (its tower, head and adapter)."""
+        found = self.base.files
+        bound = calibration_file.binding(found, self.base.provenance.model_hash, TEMPLATE_SHA256)
+        tune = self.provenance.fine_tune
+        if tune is not None and "adapter_sha256" in tune:
+            bound |= {"head_sha256": tune["head_sha256"], "head_config_sha256": tune["head_config_sha256"],
+                      "adapter_sha256": tune["adapter_sha256"]}
+        return bound
+
+    def route(self, name: str | None) -> Clef:
+        """The model a request's ``model`` names: None, the default; without fine-tunes any
+        name is this model's (the name is only echoed, as the reference does)."""
+        if name is None or len(self.models) == 1:
+            return self.models[self.default]
+        found = self.models.get(name)
+        if found is None:
+            raise errors.UnknownModel(f"no model named {name!r} here; this process serves "
+                                      f"{', '.join(sorted(self.models))}", field="model")
+        return found
 
     def prepare(self, request: Any, *, truncate_state: bool = False,
                 strict: bool | None = None) -> Prepared:
         t0 = time.perf_counter()
+        # The request's model is read before it is checked: which model answers decides whether
+        # a calibration applies (the wire model is the same for every one of them).
+        target = self.route(_named_model(request))
         parsed = parse_request(request, truncate_state=truncate_state,
-                               strict=self.strict if strict is None else strict,
-                               calibrated=self.calibration is not None)
-        if self.calibration is not None:
-            self.calibration.check_requested(parsed.calibration)
-        encoded = self.encoder.encode(parsed)
-        return Prepared(parsed, encoded, (time.perf_counter() - t0) * 1e3)
+                               strict=target.strict if strict is None else strict,
+                               calibrated=target.calibration is not None)
+        if target.calibration is not None:
+            target.calibration.check_requested(parsed.calibration)
+        encoded = target.encoder.encode(parsed)
+        return Prepared(parsed, encoded, (time.perf_counter() - t0) * 1e3, target.provenance.model_name)
 
     def _tower(self, enc: Encoded) -> tuple[np.ndarray, int, float]:
         """(hidden states, cached tokens, tower ms) of one prompt."""
@@ -191,8 +254,13 @@ class Clef:
         hidden, _, _ = self._tower(enc)
         return self._head_logits(enc, hidden)[0]
 
+    def _of(self, prepared: Prepared) -> Clef:
+        """The model ``prepared`` was prepared for."""
+        return self.models.get(prepared.model, self) if prepared.model else self
+
     def run(self, prepared: Prepared) -> tuple[dict, dict[str, float]]:
-        return self._answer(prepared, *self._tower(prepared.encoded))
+        model = self._of(prepared)
+        return model._answer(prepared, *model._tower(prepared.encoded))
 
     def decide(self, request: Any, *, truncate_state: bool = False,
                strict: bool | None = None) -> dict:
@@ -215,7 +283,7 @@ class Clef:
 
     def pack_size(self, prepared: Prepared) -> int:
         """How many prompts like this one the tower decodes together (1: one at a time)."""
-        return self.tower.pack_size(prepared.encoded.n_tokens)
+        return self._of(prepared).tower.pack_size(prepared.encoded.n_tokens)
 
     def run_many(self, prepared: list[Prepared], *, pack: int | None = None
                  ) -> list[tuple[dict, dict[str, float]] | errors.ClefError]:
@@ -227,20 +295,32 @@ class Clef:
         check_pack(pack)
         if pack == 1 or len(prepared) < 2:
             return [self._run_or_error(p) for p in prepared]
+        by_model: dict[str, list[int]] = {}
+        for i, p in enumerate(prepared):
+            by_model.setdefault(self._of(p).provenance.model_name, []).append(i)
+        if len(by_model) > 1:  # one decode applies one adapter: each model's requests together
+            out: list[tuple[dict, dict[str, float]] | errors.ClefError | None] = [None] * len(prepared)
+            for name, where in by_model.items():
+                for i, result in zip(where, self.models[name].run_many([prepared[i] for i in where], pack=pack)):
+                    out[i] = result
+            return [r for r in out if r is not None]
+        model = self._of(prepared[0])
+        if model is not self:
+            return model.run_many(prepared, pack=pack)
         t0 = time.perf_counter()
         towers = self.tower.forward_many([(p.encoded.ids, p.encoded.prefix_tokens, p.encoded.state_tokens)
                                           for p in prepared], self.state_cache, pack=pack)
         share = (time.perf_counter() - t0) * 1e3 / len(prepared)
-        out: list[tuple[dict, dict[str, float]] | errors.ClefError] = []
+        results: list[tuple[dict, dict[str, float]] | errors.ClefError] = []
         for p, tower in zip(prepared, towers):
             if isinstance(tower, errors.ClefError):
-                out.append(tower)
+                results.append(tower)
                 continue
             try:
-                out.append(self._answer(p, *tower, share))
+                results.append(self._answer(p, *tower, share))
             except errors.ClefError as exc:
-                out.append(exc)
-        return out
+                results.append(exc)
+        return results
 
     def _run_or_error(self, prepared: Prepared) -> tuple[dict, dict[str, float]] | errors.ClefError:
         try:
@@ -280,8 +360,9 @@ class Clef:
 
     def probabilities(self, request: Any, *, truncate_state: bool = False) -> list[np.ndarray]:
         """Unrounded fp32 probabilities per question, in prompt option order (parity checks)."""
-        enc = self.prepare(request, truncate_state=truncate_state).encoded
-        return answer.split_probabilities(self.logits(enc), enc.option_counts, self.temperatures(enc))
+        prepared = self.prepare(request, truncate_state=truncate_state)
+        model, enc = self._of(prepared), prepared.encoded
+        return answer.split_probabilities(model.logits(enc), enc.option_counts, model.temperatures(enc))
 
     def temperatures(self, enc: Encoded) -> tuple[float, ...] | None:
         """The calibration's temperature of each question of ``enc`` (None: uncalibrated)."""
@@ -290,7 +371,7 @@ class Clef:
         return self.calibration.temperatures_for(enc.types, enc.option_counts)
 
     def close(self) -> None:
-        self.tower.close()
+        self.base.tower.close()  # the base's tower owns the weights and every fine-tune's adapter
 
     def __enter__(self) -> Clef:
         return self

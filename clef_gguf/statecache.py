@@ -65,8 +65,10 @@ class StateCache:
             return key in self._entries
 
     @staticmethod
-    def key(kind: str, ids: np.ndarray) -> bytes:
-        return kind.encode() + b":" + ids.astype("<i4", copy=False).tobytes()
+    def key(kind: str, ids: np.ndarray, tag: str = "") -> bytes:
+        """``tag`` names what else the cached states depend on (a fine-tune's adapter): towers that
+        share a cache under different tags never see each other's entries."""
+        return f"{kind}{tag}:".encode() + ids.astype("<i4", copy=False).tobytes()
 
     def get(self, key: bytes) -> Snapshot | None:
         with self._lock:
@@ -137,6 +139,9 @@ class SegmentedForward(ABC):
 
     _prefix: tuple[bytes, Snapshot] | None = None
     _lock: threading.Lock
+    # What the states depend on beyond the tokens and the weights: "" for the base; a fine-tune's
+    # view of the tower names its adapter and scale, so its entries are its own in a shared cache.
+    cache_tag = ""
     vocab_name = "vocab"  # what the token ids index, for the error
 
     @property
@@ -235,33 +240,30 @@ class SegmentedForward(ABC):
         return results
 
     # ------------------------------------------------------------ the cache's keys and rules
-    @staticmethod
-    def _cached_prompt(ids: np.ndarray, cache: StateCache | None) -> tuple[np.ndarray, int] | None:
+    def _cached_prompt(self, ids: np.ndarray, cache: StateCache | None) -> tuple[np.ndarray, int] | None:
         """The hidden states of a prompt seen before, and its token count (all of it cached)."""
-        if cache is None or (hit := cache.get(cache.key("prompt", ids))) is None:
+        if cache is None or (hit := cache.get(cache.key("prompt", ids, self.cache_tag))) is None:
             return None
         return hit.hidden.copy(), hit.n_tokens
 
-    @staticmethod
-    def _remember(ids: np.ndarray, hidden: np.ndarray, cache: StateCache | None) -> None:
+    def _remember(self, ids: np.ndarray, hidden: np.ndarray, cache: StateCache | None) -> None:
         """Keep a decoded prompt's hidden states, for the next time it comes."""
         if cache is not None:
-            cache.put(cache.key("prompt", ids), Snapshot(len(ids), None, hidden.copy()))
+            cache.put(cache.key("prompt", ids, self.cache_tag), Snapshot(len(ids), None, hidden.copy()))
 
     def _knows_prefix(self, ids: np.ndarray, prefix: int) -> bool:
         """Whether the kept prefix is this prompt's."""
         return self._prefix is not None and self._prefix[0] == ids[:prefix].tobytes()
 
-    @staticmethod
-    def _joins(ids: np.ndarray, prefix: int, state: int, cache: StateCache | None,
+    def _joins(self, ids: np.ndarray, prefix: int, state: int, cache: StateCache | None,
                claimed: set[bytes]) -> bool:
         """Whether a prompt may be decoded beside prompts that ``claimed`` these keys: not where one
         of them decodes the same prompt, or the same ``[prefix][state]`` not cached yet (it then
         waits, to be restored from the cache after them, as one by one). Joining claims its keys."""
         if cache is None:
             return True
-        prompt_key = cache.key("prompt", ids)
-        state_key = cache.key("state", ids[:prefix + state]) if state else None
+        prompt_key = cache.key("prompt", ids, self.cache_tag)
+        state_key = cache.key("state", ids[:prefix + state], self.cache_tag) if state else None
         if prompt_key in claimed or (state_key is not None and state_key in claimed
                                      and state_key not in cache):
             return False
@@ -273,7 +275,7 @@ class SegmentedForward(ABC):
         decode the state, to be cached, and the rest), else decode all three segments."""
         head, n = prefix + state, len(ids)
         rest = [(head, n)] if head < n else []
-        state_key = cache.key("state", ids[:head]) if cache is not None and state else None
+        state_key = cache.key("state", ids[:head], self.cache_tag) if cache is not None and state else None
         known = cache.get(state_key) if cache is not None and state_key else None
         if known is not None:
             return Plan(ids, prefix, head, known, head, rest, None)

@@ -10,8 +10,10 @@ per-layer paths share one lock, one pair of contexts and their attention setting
 from __future__ import annotations
 
 import collections
+import copy
 import logging
 import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import TypeAlias, cast
@@ -21,7 +23,7 @@ import numpy as np
 from clef_gguf.cpus import available_cpus
 from clef_gguf.limits import CONTEXT_WINDOW
 from clef_gguf.errors import ClefError, InferenceError, InvalidSetting, ModelNotFound
-from clef_gguf.llama import ATTENTION, _Batch, _Context, _Model, extra_buffer_types, gpu_offload
+from clef_gguf.llama import ATTENTION, _Adapter, _Batch, _Context, _Model, extra_buffer_types, gpu_offload
 from clef_gguf.packing import (PACK_MEMORY_SHARE, PACKING, SEQ_HEADER, PackRule, Slot, chunks, free_memory,
                                next_group, to_one_stream, to_streams)
 from clef_gguf.statecache import Plan, SegmentedForward, Snapshot, StateCache, usable
@@ -34,6 +36,19 @@ log = logging.getLogger("clef_gguf.llama")
 _Item: TypeAlias = tuple[int, np.ndarray, int, int]
 _Result: TypeAlias = Forwarded | ClefError | None
 
+@dataclass
+class _Pool:
+    """What every view of one loaded tower shares besides the model, its context and its lock:
+    the packed context, its cost probes, and the fine-tunes' adapters (freed with the model)."""
+
+    # forward_many's context of several sequences, made on first use (see Tower._packed_context)
+    packed: tuple[_Context, _Batch, int] | None = None  # context, its batch, KV window
+    costs: tuple[int, int] | None = None  # (recurrent state, KV per token) bytes
+    refused: int | None = None  # the smallest KV window the memory budget refused
+    budget: int | None = None  # bytes a packed context may take, probed on first need
+    adapters: list[_Adapter] = field(default_factory=list)
+
+
 class Tower(SegmentedForward):
     """``hidden_states(ids) -> float32 [T, n_embd]`` for one prompt at a time (thread-safe);
     ``forward_many`` decodes several prompts per llama_decode where :data:`PACKING` says it pays."""
@@ -43,13 +58,11 @@ class Tower(SegmentedForward):
     def __init__(self, model: _Model, ctx: _Context, path: Path):
         self._model, self._ctx, self.path = model, ctx, path
         self._lock = threading.Lock()
+        self._pool = _Pool()
+        self._adapter: _Adapter | None = None  # the LoRA this view applies; None: the base
         self._prefix: tuple[bytes, Snapshot] | None = None  # the system prefix, decoded once
-        # forward_many's context of several sequences, made on first use (see _packed_context)
-        self._packed: tuple[_Context, _Batch, int] | None = None  # context, its batch, KV window
-        self._packed_prefix: tuple[bytes, np.ndarray] | None = None  # the prefix, packed layout
-        self._costs: tuple[int, int] | None = None  # (recurrent state, KV per token) bytes
-        self._refused: int | None = None  # the smallest KV window the memory budget refused
-        self._budget: int | None = None  # bytes a packed context may take, probed on first need
+        # the prefix in the packed layout, keyed by (prefix ids, stream count)
+        self._packed_prefix: tuple[bytes, np.ndarray] | None = None
         self.pack_stats: collections.Counter[int] = collections.Counter()  # sequences per packed decode
 
     @classmethod
@@ -85,6 +98,10 @@ class Tower(SegmentedForward):
     @property
     def n_vocab(self) -> int:
         return self._model.n_vocab
+
+    @property
+    def n_layer(self) -> int:
+        return self._model.n_layer
 
     @property
     def n_ctx(self) -> int:
@@ -125,6 +142,7 @@ class Tower(SegmentedForward):
         the fixed schedule that makes a restored segment bit-identical to a decoded one. Chunks
         also keep every call under llama.cpp's per-call n_batch assert (an abort, not an error)."""
         out: np.ndarray = np.empty((len(ids), self.n_embd), dtype=np.float32)
+        self._ctx.use(self._adapter)
         for start, end in chunks(0, len(ids), self._ctx.n_batch):
             try:
                 self._ctx.decode_tokens(np.ascontiguousarray(ids[start:end]))
@@ -161,6 +179,7 @@ class Tower(SegmentedForward):
             inputs = [np.empty((len(ids), n_embd), dtype=np.float32) for _ in range(n_layer)]
             bounds = sorted({0, min(prefix, len(ids)), min(prefix + state, len(ids)), len(ids)})
             self._ctx.clear()
+            self._ctx.use(self._adapter)
             self._ctx.tap_layers(n_layer, True)
             try:
                 for begin, end in zip(bounds, bounds[1:]):
@@ -293,8 +312,10 @@ class Tower(SegmentedForward):
         """A wave's prompt: its plan's restored state in the packed layout, and its chunks."""
         assert plan.start is not None and plan.start.seq_state is not None  # a known prefix or state
         if self._prefix is not None and plan.start is self._prefix[1]:
-            if self._packed_prefix is None or self._packed_prefix[0] != self._prefix[0]:
-                self._packed_prefix = (self._prefix[0], to_streams(plan.start.seq_state, n_stream))
+            # Keyed by the stream count too: another view may have remade the packed context.
+            key = self._prefix[0] + n_stream.to_bytes(4, "little")
+            if self._packed_prefix is None or self._packed_prefix[0] != key:
+                self._packed_prefix = (key, to_streams(plan.start.seq_state, n_stream))
             source = self._packed_prefix[1]
         else:
             source = to_streams(plan.start.seq_state, n_stream)
@@ -305,13 +326,14 @@ class Tower(SegmentedForward):
 
     def _wave_decode(self, ctx: _Context, wave: list[_Item],
                      cache: StateCache | None, results: list[_Result]) -> None:
-        assert self._packed is not None
-        _, batch, _ = self._packed
+        assert self._pool.packed is not None
+        _, batch, _ = self._pool.packed
         plans = [(i, self._plan(ids, prefix, state, cache)) for i, ids, prefix, state in wave]
         slots = [self._slot(i, plan, ctx.seqs) for i, plan in plans]
         # Equal chunk lists next to each other: equal chunks are on consecutive sequence ids.
         slots.sort(key=lambda s: [e - b for b, e in reversed(s.chunks)])
         ctx.clear()
+        ctx.use(self._adapter)
         for seq, slot in enumerate(slots):
             slot.seq = seq
             if not ctx.restore(slot.source, seq):
@@ -345,9 +367,9 @@ class Tower(SegmentedForward):
     def _pack_budget(self) -> int:
         """Bytes a packed context may take: ``PACK_MEMORY_SHARE`` of what the device policy leaves
         free (host RAM, or the GPU's memory when the tower is offloaded), probed once."""
-        if self._budget is None:
-            self._budget = int(self._free_memory() * PACK_MEMORY_SHARE)
-        return self._budget
+        if self._pool.budget is None:
+            self._pool.budget = int(self._free_memory() * PACK_MEMORY_SHARE)
+        return self._pool.budget
 
     def _free_memory(self) -> int:
         return free_memory(bool(self.gpu_layers))
@@ -358,10 +380,10 @@ class Tower(SegmentedForward):
         streams and its compute buffer must fit ``budget``. Kept until a call needs more."""
         window = -(-max(window, 1) // 256) * 256  # llama.cpp rounds each stream to 256 cells
         ubatch = max(self.pack_rule.ubatch, self._ctx.n_batch)
-        if self._refused is not None and window >= self._refused:
+        if self._pool.refused is not None and window >= self._pool.refused:
             return None  # asked and refused before
-        if self._packed is not None:
-            ctx, _, held = self._packed
+        if self._pool.packed is not None:
+            ctx, _, held = self._pool.packed
             if ctx.seqs >= seqs and held >= window:
                 return ctx
             seqs, window = max(seqs, ctx.seqs), max(window, held)
@@ -370,23 +392,23 @@ class Tower(SegmentedForward):
         seqs = min(seqs, budget // (recurrent + window * kv))
         if seqs < 2:
             log.info("no packed decoding: 2 sequences of %d tokens do not fit %d MiB", window, budget >> 20)
-            self._refused = window
+            self._pool.refused = window
             return None
         ctx = _Context(self._model, seqs * window, ubatch, self.threads, seqs, self._ctx.attention)
         if ctx.compute_bytes + seqs * (recurrent + window * kv) > budget:
             ctx.close()
             log.info("no packed decoding: its compute buffer (%d MiB) does not fit %d MiB",
                      ctx.compute_bytes >> 20, budget >> 20)
-            self._refused = window
+            self._pool.refused = window
             return None
-        self._packed, self._packed_prefix = (ctx, _Batch(ubatch), window), None
+        self._pool.packed, self._packed_prefix = (ctx, _Batch(ubatch), window), None
         return ctx
 
     def _state_costs(self) -> tuple[int, int]:
         """(recurrent state of one sequence, KV of one token) in bytes, from llama.cpp's own state
         sizes for a one-token sequence in the single context (cleared again: it is only ever used
         after a clear or a restore)."""
-        if self._costs is None:
+        if self._pool.costs is None:
             self._ctx.clear()
             try:
                 self._ctx.decode_tokens(np.zeros(1, dtype=np.int32))
@@ -394,20 +416,49 @@ class Tower(SegmentedForward):
                 recurrent = self._ctx.state_size(0, partial=True) - SEQ_HEADER
             finally:
                 self._ctx.clear()
-            self._costs = (recurrent, max(1, full - recurrent - SEQ_HEADER - 8))
-        return self._costs
+            self._pool.costs = (recurrent, max(1, full - recurrent - SEQ_HEADER - 8))
+        return self._pool.costs
 
     def _close_packed(self) -> None:
-        if self._packed is not None:
-            ctx, batch, _ = self._packed
+        if self._pool.packed is not None:
+            ctx, batch, _ = self._pool.packed
             batch.close()
             ctx.close()
-            self._packed = self._packed_prefix = None
+            self._pool.packed = self._packed_prefix = None
+
+    def adapted(self, path: str | Path, *, scale: float = 1.0, tag: str) -> Tower:
+        """A view of this tower that applies the LoRA adapter GGUF at ``path`` (times ``scale``):
+        the same model, contexts and lock, the adapter switched per decode. ``tag`` names the
+        adapter (its hash and scale) in the cache keys, so a state decoded through one fine-tune is
+        never restored for another; the view keeps its own decoded prefix. Closing the base tower
+        frees every adapter; closing a view does nothing."""
+        if not tag:
+            raise InvalidSetting("a fine-tune's view needs a cache tag", field="adapter")
+        with self._lock:
+            if self.closed:
+                raise InferenceError("the tower is closed")
+            adapter = _Adapter(self._model, Path(path), scale)
+            self._pool.adapters.append(adapter)
+        view = copy.copy(self)
+        view._adapter, view.cache_tag = adapter, tag
+        view._prefix = view._packed_prefix = None
+        view.pack_stats = collections.Counter()
+        return view
+
+    @property
+    def adapter_path(self) -> Path | None:
+        """The LoRA this view applies (None: the base tower)."""
+        return self._adapter.path if self._adapter is not None else None
 
     def close(self) -> None:
+        if self._adapter is not None:
+            return  # a view: the base tower owns the model, the contexts and the adapters
         with self._lock:
             self._close_packed()
             self._ctx.close()
+            for adapter in self._pool.adapters:
+                adapter.close()  # after the contexts that applied it, before its model
+            self._pool.adapters.clear()
             self._model.close()
 
     def __enter__(self) -> Tower:

@@ -5,6 +5,7 @@
 ``tiny_model_dir``          the f32 conversion, what most tests load
 ``tiny_hf_hidden``          ids -> transformers ``last_hidden_state`` (float32) of the tiny release
 ``tiny_nvfp4_dir``          scheme (nvfp4a16 | nvfp4) -> the tiny release as an NVFP4 checkpoint
+``tiny_fine_tunes``        {"a", "b"} -> two random fine-tunes of the f32 tiny model (``convert adapter``)
 
 Building and converting the tiny release takes well under a second; don't mutate these
 directories in tests, copy them first.
@@ -115,3 +116,17 @@ def tiny_nvfp4_dir(tiny_release, tmp_path_factory):
         return made[scheme]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_fine_tunes(tiny_release, tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
+    """Two random fine-tunes (LoRA + retrained head, seeds 1 and 2) converted for the f32 tiny model."""
+    from clef_gguf.convert.finetune_demo import build_finetune_checkpoint
+    from clef_gguf.convert.lora import convert_adapter
+
+    root = tmp_path_factory.mktemp("fine-tunes")
+    out = {}
+    for name, seed in (("a", 1), ("b", 2)):
+        checkpoint = build_finetune_checkpoint(tiny_release, root / f"ckpt-{name}", seed=seed)
+        out[name] = convert_adapter(checkpoint, root / name, base=tiny_model_dir, outtype="f32", name=name)
+    return out

@@ -133,3 +133,22 @@ def test_closed_stdout_is_not_a_traceback(tiny_model_dir):
     _, err = proc.communicate(json.dumps(REQUEST), timeout=300)
     assert proc.returncode == 0, err
     assert "Traceback" not in err
+
+
+def test_decide_with_a_fine_tune(tiny_model_dir, tiny_fine_tunes):
+    from clef_gguf import Clef
+
+    with Clef.load(tiny_model_dir, adapters=tiny_fine_tunes) as clef:
+        want = {name: clef.decide(dict(REQUEST, model=name))["answers"] for name in ("a", "b")}
+    proc = clef_gguf("decide", "-m", tiny_model_dir, "--adapter", tiny_fine_tunes["a"], stdin=json.dumps(REQUEST))
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["answers"] == want["a"] and out["model"] == "a" and out["audit"]["fine_tune"]["name"] == "a"
+    several = ["--adapter", f"a={tiny_fine_tunes['a']}", "--adapter", f"b={tiny_fine_tunes['b']}"]
+    proc = clef_gguf("decide", "-m", tiny_model_dir, *several, stdin=json.dumps(dict(REQUEST, model="b")))
+    assert proc.returncode == 0 and json.loads(proc.stdout)["answers"] == want["b"]
+    proc = clef_gguf("decide", "-m", tiny_model_dir, *several, stdin=json.dumps(dict(REQUEST, model="c")))
+    assert proc.returncode == 2 and json.loads(proc.stdout)["error"]["code"] == "unknown_model"
+    proc = clef_gguf("decide", "-m", tiny_model_dir, "--adapter", tiny_fine_tunes["a"], "--adapter",
+                     tiny_fine_tunes["b"], stdin=json.dumps(REQUEST))
+    assert proc.returncode == 2 and json.loads(proc.stdout)["error"]["field"] == "adapter"

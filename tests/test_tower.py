@@ -106,7 +106,7 @@ def test_the_attention_setting_follows_the_weights(gguf_path, tiny_model_dir_fac
         quant.hidden_states(ids)
         assert exact._ctx.state_size(0) > quant._ctx.state_size(0)
         exact.forward_many([(ids, 36, 100), (ids[:150], 36, 50)], None, pack=2)
-        assert exact._packed is not None and exact._packed[0].attention is exact._ctx.attention
+        assert exact._pool.packed is not None and exact._pool.packed[0].attention is exact._ctx.attention
     with Tower.load(gguf_path, n_ctx=256, threads=1, attention="default") as plain:
         assert plain.attention == "default" and plain.details() == {"attention": "default"}
     with pytest.raises(errors.InvalidSetting) as info:

@@ -31,4 +31,15 @@ def load_kwargs(args: argparse.Namespace, threads: int) -> dict:
             "allow_download": not args.offline, "strict": args.strict,
             "state_cache_mb": args.state_cache_mb, "gpu_layers": args.gpu_layers,
             "backend": getattr(args, "backend", "auto"),
-            "calibration": _absolute(getattr(args, "calibration", None))}
+            "calibration": _absolute(getattr(args, "calibration", None)),
+            "adapters": _adapters(getattr(args, "adapter", None))}
+
+
+def _adapters(flags: list[str] | None) -> str | dict[str, str] | None:
+    """``--adapter [NAME=]DIR`` flags as ``Clef.load(adapters=)`` takes them, directories absolute."""
+    from clef_gguf.finetunes import parse_flags
+
+    parsed = parse_flags(flags)
+    if parsed is None or isinstance(parsed, (str, Path)):
+        return _absolute(None if parsed is None else str(parsed))
+    return {name: _absolute(str(directory)) or str(directory) for name, directory in parsed.items()}

@@ -213,6 +213,9 @@ def batch_response(items: list[BatchItem], model: str | None,
     results: list[dict[str, Any]] = []
     audit: dict[str, Any] | None = None
     tokens = 0
+    # The batch's audit is one model's: inputs answered by several (fine-tunes named per request)
+    # each say which, with its hash.
+    mixed = len({i.response["audit"]["model_hash"] for i in items if i.response is not None}) > 1
     for item in items:
         if item.response is None:
             error = item.error or errors.NotComputed("not computed").to_dict()["error"]
@@ -221,6 +224,8 @@ def batch_response(items: list[BatchItem], model: str | None,
         result = {"id": item.id, "answers": item.response["answers"]}
         if item.response.get("truncated"):
             result["truncated"] = True
+        if mixed:
+            result |= {"model": item.response["model"], "model_hash": item.response["audit"]["model_hash"]}
         results.append(result)
         tokens += item.response["usage"]["input_tokens"]
         one = item.response["audit"]

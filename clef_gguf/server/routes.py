@@ -120,10 +120,16 @@ class Routes:
 
     async def models(self) -> Response:
         try:
-            info = dict(self.served.require().info)
+            served = self.served.require()
         except ApiError as exc:
             return exc.response()
-        return json_response({"models": [{"name": info.pop("name"), **info}]})
+        # The default model first, then the others (the base and its fine-tunes) by name.
+        ordered = sorted(served.models.items(), key=lambda item: (item[1] is not served, item[0]))
+        entries = []
+        for _, model in ordered:
+            info = dict(model.info)
+            entries.append({"name": info.pop("name"), **info, "default": model is served})
+        return json_response({"models": entries})
 
     async def health(self) -> Response:
         status = self.served.status

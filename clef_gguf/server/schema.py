@@ -273,6 +273,10 @@ class AnsweredInput(BaseModel):
     id: str
     answers: Answers
     truncated: bool = False
+    model: str | None = Field(None, description="the model that answered this input, where the batch "
+                              "mixes fine-tunes (each request's own \"model\")")
+    model_hash: str | None = Field(None, description="that model's audit.model_hash, where the batch "
+                                   "mixes fine-tunes")
 
 
 class RefusedInput(BaseModel):
@@ -292,7 +296,7 @@ class BatchResponse(BaseModel):
 
 
 class ModelEntry(BaseModel):
-    """The served model: its name and what ``Clef.info`` says about it."""
+    """A served model (the base or a fine-tune): its name and what ``Clef.info`` says about it."""
 
     model_config = ConfigDict(extra="allow")
 

@@ -34,6 +34,11 @@ class ServedModel(engine.Model, Protocol):
     @property
     def provenance(self) -> Provenance | None: ...
 
+    @property
+    def models(self) -> Mapping[str, ServedModel]:
+        """Every model this one answers through, by name (the base and its fine-tunes)."""
+        ...
+
     def close(self) -> None: ...
 
 

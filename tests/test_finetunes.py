@@ -1,0 +1,192 @@
+"""Fine-tunes on one loaded tower (``clef_gguf.finetunes`` and ``Clef.load(adapters=)``): the flags,
+routing by a request's ``model``, cache keys per adapter, packing per model, and every refusal.
+
+The fine-tunes are random ones (``convert.finetune_demo``) converted by ``convert adapter``; their
+parity with the PEFT-merged reference is tests/test_finetune.py's.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from clef_gguf import errors
+from clef_gguf.finetunes import cache_tag, named, parse_flags
+from clef_gguf.runtime import Clef
+
+REQUEST = {"state": "The app crashes when I upload a photo. Third time today!",
+           "questions": {"bug": {"type": "noul"},
+                         "team": {"type": "choice", "criteria": {"mobile": None, "web": None, "infra": None}}}}
+OTHER = dict(REQUEST, questions={"calm": {"type": "score", "criteria": ["calm", "annoyed", "angry"]}})
+
+
+@pytest.fixture(scope="module")
+def tunes(tiny_fine_tunes) -> dict[str, Path]:
+    return tiny_fine_tunes
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir, tunes):
+    with Clef.load(tiny_model_dir, adapters=tunes) as clef:
+        yield clef
+
+
+def _answers(response: dict) -> dict:
+    return response["answers"]
+
+
+# ------------------------------------------------------------------ flags
+def test_flags_one_bare_directory_or_names():
+    assert parse_flags(None) is None
+    assert parse_flags(["/x"]) == "/x"
+    assert parse_flags(["a=/x", "b=/y"]) == {"a": "/x", "b": "/y"}
+    assert parse_flags(["a=/x"]) == {"a": "/x"}
+
+
+@pytest.mark.parametrize("flags", [["/x", "/y"], ["a=/x", "a=/y"], ["=/x", "b=/y"], ["a=", "b=/y"]])
+def test_flags_refused(flags):
+    with pytest.raises(errors.InvalidSetting) as exc:
+        parse_flags(flags)
+    assert exc.value.field == "adapter"
+
+
+@pytest.mark.parametrize("adapters", [{"": "/x"}, {"a=b": "/x"}, {3: "/x"}, ["/x"]])
+def test_named_refuses_bad_names(adapters):
+    with pytest.raises(errors.InvalidSetting):
+        named(adapters)
+
+
+def test_cache_tags_differ_by_adapter_and_scale():
+    assert cache_tag("ab" * 32, 1.0) != cache_tag("cd" * 32, 1.0)
+    assert cache_tag("ab" * 32, 1.0) != cache_tag("ab" * 32, 0.5)
+
+
+# ------------------------------------------------------------------ routing
+def test_models_and_default(served, tiny_model_dir):
+    base_name = served.provenance.model_name
+    assert set(served.models) == {base_name, "a", "b"}
+    assert served.default == base_name and served.base is served
+    # One tower: every fine-tune is a view of the base's model.
+    assert all(m.tower._model is served.tower._model for m in served.models.values())
+    assert served.models["a"].tower.adapter_path is not None and served.tower.adapter_path is None
+
+
+def test_each_model_answers_its_own(served, tiny_model_dir, tunes):
+    base = served.decide(REQUEST)
+    a, b = served.decide(dict(REQUEST, model="a")), served.decide(dict(REQUEST, model="b"))
+    assert _answers(a) != _answers(base) and _answers(b) != _answers(a)
+    assert a["model"] == "a" and a["audit"]["fine_tune"]["name"] == "a"
+    assert "fine_tune" not in base["audit"]  # the base's answer is what it was before fine-tunes
+    assert a["audit"]["model_hash"] != base["audit"]["model_hash"] != b["audit"]["model_hash"]
+    with Clef.load(tiny_model_dir) as alone:  # the base's whole response, as without fine-tunes
+        assert {**alone.decide(REQUEST), "usage": None} == {**base, "usage": None}
+    with Clef.load(tiny_model_dir, adapters=tunes["a"]) as only_a:
+        assert only_a.provenance.model_name == "a" and only_a.default == "a"
+        assert _answers(only_a.decide(REQUEST)) == _answers(a)  # a bare directory answers by default
+        assert _answers(only_a.decide(dict(REQUEST, model=served.provenance.model_name))) == _answers(base)
+
+
+def test_unknown_model_is_refused(served):
+    with pytest.raises(errors.UnknownModel) as exc:
+        served.prepare(dict(REQUEST, model="nope"))
+    assert exc.value.field == "model" and exc.value.status == 404 and "a, b" in exc.value.message
+    out = list(served.decide_many([dict(REQUEST, model="nope"), dict(REQUEST, model="a")]))
+    assert out[0]["error"]["code"] == "unknown_model" and "answers" in out[1]
+
+
+def test_without_fine_tunes_any_model_name_is_echoed(tiny_model_dir):
+    with Clef.load(tiny_model_dir, state_cache_mb=0) as clef:
+        assert clef.decide(dict(REQUEST, model="@cf/anything"))["model"] == "@cf/anything"
+
+
+def test_interleaved_and_packed_answers_equal_one_by_one(served):
+    order = ["a", "b", None, "b", "a", None, "a"]
+    requests = [dict(REQUEST if i % 2 else OTHER, **({"model": m} if m else {})) for i, m in enumerate(order)]
+    served.state_cache.clear()
+    one_by_one = [_answers(served.decide(r)) for r in requests]
+    for pack in (None, 4):
+        served.state_cache.clear()
+        assert [_answers(r) for r in served.decide_many(requests, pack=pack)] == one_by_one
+
+
+def test_a_state_is_never_shared_across_fine_tunes(served):
+    prefix = served.prepare(REQUEST).encoded.prefix_tokens  # each model keeps its own decoded prefix
+    for name in ("a", "b", None):  # every model has decoded its prefix once
+        served.decide(dict(OTHER, state="warm up", **({"model": name} if name else {})))
+    served.state_cache.clear()
+    first = served.decide(dict(REQUEST, model="a"))
+    assert first["usage"]["cached_tokens"] == prefix
+    # The same state and questions through b and the base: decoded again, not restored from a's.
+    assert served.decide(dict(REQUEST, model="b"))["usage"]["cached_tokens"] == prefix
+    assert served.decide(REQUEST)["usage"]["cached_tokens"] == prefix
+    again = served.decide(dict(REQUEST, model="a"))
+    assert again["usage"]["cached_tokens"] == again["usage"]["input_tokens"]  # a's own prompt entry
+    assert _answers(again) == _answers(first)
+    # Another question set about the same state restores a's state, not b's.
+    other_a = served.decide(dict(OTHER, model="a"))
+    assert prefix < other_a["usage"]["cached_tokens"] < other_a["usage"]["input_tokens"]
+    served.state_cache.clear()
+    assert _answers(served.decide(dict(OTHER, model="a"))) == _answers(other_a)
+
+
+# ------------------------------------------------------------------ refusals
+def test_a_fine_tune_of_another_size_is_refused(tiny_model_dir, tmp_path):
+    from clef_gguf.convert.finetune_demo import build_finetune_checkpoint
+    from clef_gguf.convert.lora import convert_adapter
+    from clef_gguf.convert.release import convert_release
+    from clef_gguf.convert.tiny import build_release
+
+    release = build_release(tmp_path / "rel256", preset="tiny256")
+    other = convert_release(release, tmp_path / "m256", outtype="f32", name="m256")
+    tune = convert_adapter(build_finetune_checkpoint(release, tmp_path / "ck"), tmp_path / "t256", base=other,
+                           outtype="f32", name="t256")
+    with pytest.raises(errors.AdapterMismatch) as exc:
+        Clef.load(tiny_model_dir, adapters=tune)
+    assert exc.value.field == "adapter" and "n_embd" in exc.value.message
+
+
+def test_a_name_taken_by_the_base_is_refused(tiny_model_dir, tunes, served):
+    with pytest.raises(errors.InvalidSetting):
+        Clef.load(tiny_model_dir, adapters={served.provenance.model_name: tunes["a"]})
+
+
+def test_a_missing_fine_tune_directory_is_refused(tiny_model_dir, tmp_path):
+    with pytest.raises(errors.ModelNotFound) as exc:
+        Clef.load(tiny_model_dir, adapters=tmp_path / "nothing")
+    assert exc.value.field == "adapter"
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "header"])
+def test_a_damaged_adapter_file_is_refused(tiny_model_dir, tunes, tmp_path, damage):
+    tune = Path(shutil.copytree(tunes["a"], tmp_path / "t"))
+    adapter = next(tune.glob("adapter-*.gguf"))
+    data = adapter.read_bytes()
+    if damage == "truncate":
+        adapter.write_bytes(data[: len(data) // 2])
+    elif damage == "garbage":
+        adapter.write_bytes(b"\x00" * len(data))
+    else:  # a readable GGUF that is not an adapter: the base tower itself
+        shutil.copy(next(Path(tiny_model_dir).glob("tower-*.gguf")), adapter)
+    with pytest.raises((errors.CorruptModel, errors.AdapterMismatch)) as exc:
+        Clef.load(tiny_model_dir, adapters=tune)
+    assert exc.value.field == "adapter"
+
+
+def test_a_head_of_the_wrong_shape_is_refused(tiny_model_dir, tunes, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    tune = Path(shutil.copytree(tunes["a"], tmp_path / "t"))
+    head = load_file(str(tune / "joint_head.safetensors"))
+    name = next(k for k, v in head.items() if v.ndim == 2)
+    head[name] = head[name][:, :-1].contiguous()
+    save_file(head, str(tune / "joint_head.safetensors"))
+    with pytest.raises(errors.HeadMismatch):
+        Clef.load(tiny_model_dir, adapters=tune)
+
+
+def test_fine_tunes_need_the_gguf_backend(tiny_nvfp4_dir, tunes):
+    with pytest.raises(errors.InvalidSetting) as exc:
+        Clef.load(tiny_nvfp4_dir("nvfp4a16"), adapters=tunes["a"])
+    assert exc.value.field == "adapter"
