@@ -239,8 +239,11 @@ def _commit(stage: Path, out: Path) -> None:
     if out.is_dir():
         # Never swap an existing out away (it may hold other files, or be someone's cwd): move
         # the new files in, the old manifest gone first, the new one last: none names a mix.
-        (out / MANIFEST).unlink(missing_ok=True)
-        for path in sorted(stage.iterdir(), key=lambda p: p.name == MANIFEST):
+        manifests = {path.name for path in stage.iterdir() if path.name.startswith("clef-gguf")
+                     and path.suffix == ".json"} | {MANIFEST}  # a model's or a fine-tune's
+        for name in manifests:
+            (out / name).unlink(missing_ok=True)
+        for path in sorted(stage.iterdir(), key=lambda p: p.name in manifests):
             os.replace(path, out / path.name)
         stage.rmdir()
     else:

@@ -367,3 +367,54 @@ class _Batch:
         if self.size:
             ll.llama_batch_free(self.batch)
             self.size = 0
+
+
+# llama.cpp's M-RoPE positions per embedding: (t, y, x, 0), section-major in ``llama_batch.pos``.
+MROPE_SECTIONS = 4
+
+
+class _Positioned:
+    """Owns the arrays of a one-sequence ``llama_batch`` with explicit positions: token ids (one
+    position each; llama.cpp repeats it over the M-RoPE sections) or input embeddings (media:
+    ``MROPE_SECTIONS`` positions each, section-major). ``llama_batch_init`` sizes ``pos`` for one
+    position per token, so the arrays are numpy's, the struct points into them."""
+
+    def __init__(self, size: int, n_embd: int):
+        self.size, self.n_embd = size, n_embd
+        self._token = np.zeros(size, dtype=np.int32)
+        self._embd = np.zeros(size * n_embd, dtype=np.float32)
+        self._pos = np.zeros(size * MROPE_SECTIONS, dtype=np.int32)
+        self._n_seq_id = np.ones(size, dtype=np.int32)
+        self._seq0 = np.zeros(1, dtype=np.int32)
+        self._seq_id = (ctypes.POINTER(ctypes.c_int32) * size)(
+            *[self._seq0.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))] * size)
+        self._logits = np.zeros(size, dtype=np.int8)  # nextn hands back every token's state
+
+    def _batch(self, n: int, embd: bool) -> Any:
+        b: Any = ll.llama_batch()  # ctypes fields: pointers into the arrays above, or NULL
+        b.n_tokens = n
+        ptr = lambda a, t: a.ctypes.data_as(ctypes.POINTER(t))  # noqa: E731
+        b.token = None if embd else ptr(self._token, ll.llama_token)
+        b.embd = ptr(self._embd, ctypes.c_float) if embd else None
+        b.pos = ptr(self._pos, ll.llama_pos)
+        b.n_seq_id = ptr(self._n_seq_id, ctypes.c_int32)
+        b.seq_id = ctypes.cast(self._seq_id, ctypes.POINTER(ctypes.POINTER(ctypes.c_int32)))
+        b.logits = ptr(self._logits, ctypes.c_int8)
+        return b
+
+    def tokens(self, ids: np.ndarray, pos: np.ndarray) -> Any:
+        """A batch of ``ids`` at positions ``pos`` (one each)."""
+        n = len(ids)
+        self._token[:n] = ids
+        self._pos[:n] = pos
+        return self._batch(n, embd=False)
+
+    def embeddings(self, rows: np.ndarray, pos: np.ndarray) -> Any:
+        """A batch of input embeddings ``rows`` [n, n_embd] at M-RoPE positions ``pos`` [3, n]
+        (t, y, x; the fourth section is 0)."""
+        n = len(rows)
+        self._embd[:n * self.n_embd] = np.ascontiguousarray(rows, dtype=np.float32).reshape(-1)
+        self._pos[:MROPE_SECTIONS * n] = 0
+        for section in range(3):
+            self._pos[section * n:(section + 1) * n] = pos[section]
+        return self._batch(n, embd=True)

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # numpy is only handled here, never needed to import this module
     import numpy as np
 
+    from clef_gguf.mediaprompt import MediaPrompt
+
     from clef_gguf.errors import ClefError
 
 # About three 2,000-token states of the 9B (~150 MB each: 64 MB of KV cells, 50 MB of recurrent
@@ -114,6 +116,7 @@ class Plan:
     cached: int  # tokens restored rather than decoded
     segments: list[tuple[int, int]]
     state_key: bytes | None  # the [prefix][state] snapshot goes there once token ``head`` is decoded
+    media: MediaPrompt | None = None  # images/videos: decoded as their embeddings, at M-RoPE positions
 
     @property
     def keeps_prefix(self) -> bool:
@@ -167,7 +170,8 @@ class SegmentedForward(ABC):
     def _resume(self, kept: Any) -> Any: ...
 
     @abstractmethod
-    def _append(self, seq: Any, ids: np.ndarray, start: int) -> np.ndarray: ...
+    def _append(self, seq: Any, ids: np.ndarray, start: int, media: MediaPrompt | None = None) -> np.ndarray:
+        """Decode ``ids`` (tokens ``start``... of the prompt) after what ``seq`` holds."""
 
     @abstractmethod
     def _kept_bytes(self, seq: Any) -> int: ...
@@ -193,19 +197,21 @@ class SegmentedForward(ABC):
         return ids
 
     def forward(self, ids: np.ndarray, prefix: int, state: int,
-                cache: StateCache | None = None) -> tuple[np.ndarray, int]:
+                cache: StateCache | None = None, media: MediaPrompt | None = None) -> tuple[np.ndarray, int]:
         """``(hidden [T, n_embd], cached_tokens)`` of a prompt ``[prefix][state][rest]``, the
-        segments given as token counts."""
+        segments given as token counts. ``media``: the prompt's images and videos (in its state);
+        their digest joins the cache keys (pad tokens look alike whatever the picture)."""
         import numpy as np
 
         cache = usable(cache)
         ids = np.ascontiguousarray(ids, dtype=np.int32)
-        if (hit := self._cached_prompt(ids, cache)) is not None:
+        tag = self.cache_tag + (f"#{media.digest}" if media is not None else "")
+        if (hit := self._cached_prompt(ids, cache, tag)) is not None:
             return hit
         with self._lock:
             ids = self._checked(ids)
-            hidden, cached = self._run(self._plan(ids, prefix, state, cache), cache)
-        self._remember(ids, hidden, cache)
+            hidden, cached = self._run(self._plan(ids, prefix, state, cache, media), cache)
+        self._remember(ids, hidden, cache, tag)
         return hidden, cached
 
     def _forward_held(self, ids: np.ndarray, prefix: int, state: int,
@@ -240,16 +246,20 @@ class SegmentedForward(ABC):
         return results
 
     # ------------------------------------------------------------ the cache's keys and rules
-    def _cached_prompt(self, ids: np.ndarray, cache: StateCache | None) -> tuple[np.ndarray, int] | None:
+    def _cached_prompt(self, ids: np.ndarray, cache: StateCache | None,
+                       tag: str | None = None) -> tuple[np.ndarray, int] | None:
         """The hidden states of a prompt seen before, and its token count (all of it cached)."""
-        if cache is None or (hit := cache.get(cache.key("prompt", ids, self.cache_tag))) is None:
+        tag = self.cache_tag if tag is None else tag
+        if cache is None or (hit := cache.get(cache.key("prompt", ids, tag))) is None:
             return None
         return hit.hidden.copy(), hit.n_tokens
 
-    def _remember(self, ids: np.ndarray, hidden: np.ndarray, cache: StateCache | None) -> None:
+    def _remember(self, ids: np.ndarray, hidden: np.ndarray, cache: StateCache | None,
+                  tag: str | None = None) -> None:
         """Keep a decoded prompt's hidden states, for the next time it comes."""
+        tag = self.cache_tag if tag is None else tag
         if cache is not None:
-            cache.put(cache.key("prompt", ids, self.cache_tag), Snapshot(len(ids), None, hidden.copy()))
+            cache.put(cache.key("prompt", ids, tag), Snapshot(len(ids), None, hidden.copy()))
 
     def _knows_prefix(self, ids: np.ndarray, prefix: int) -> bool:
         """Whether the kept prefix is this prompt's."""
@@ -270,19 +280,22 @@ class SegmentedForward(ABC):
         claimed.update(k for k in (prompt_key, state_key) if k is not None)
         return True
 
-    def _plan(self, ids: np.ndarray, prefix: int, state: int, cache: StateCache | None) -> Plan:
+    def _plan(self, ids: np.ndarray, prefix: int, state: int, cache: StateCache | None,
+              media: MediaPrompt | None = None) -> Plan:
         """Restore a cached ``[prefix][state]`` (then decode the rest), else the kept prefix (then
-        decode the state, to be cached, and the rest), else decode all three segments."""
+        decode the state, to be cached, and the rest), else decode all three segments. Media lie in
+        the state: the prefix is the same with or without them."""
         head, n = prefix + state, len(ids)
         rest = [(head, n)] if head < n else []
-        state_key = cache.key("state", ids[:head], self.cache_tag) if cache is not None and state else None
+        tag = self.cache_tag + (f"#{media.digest}" if media is not None else "")
+        state_key = cache.key("state", ids[:head], tag) if cache is not None and state else None
         known = cache.get(state_key) if cache is not None and state_key else None
         if known is not None:
-            return Plan(ids, prefix, head, known, head, rest, None)
+            return Plan(ids, prefix, head, known, head, rest, None, media)
         segments = [(prefix, head)] if state else []
         if self._prefix is not None and self._prefix[0] == ids[:prefix].tobytes():
-            return Plan(ids, prefix, head, self._prefix[1], prefix, segments + rest, state_key)
-        return Plan(ids, prefix, head, None, 0, [(0, prefix), *segments, *rest], state_key)
+            return Plan(ids, prefix, head, self._prefix[1], prefix, segments + rest, state_key, media)
+        return Plan(ids, prefix, head, None, 0, [(0, prefix), *segments, *rest], state_key, media)
 
     def _keepable(self, cache: StateCache, state_bytes: int, n_tokens: int) -> bool:
         """Whether a ``[prefix][state]`` snapshot of this size fits the cache at all."""
@@ -302,7 +315,7 @@ class SegmentedForward(ABC):
         seq = self._begin() if plan.start is None else self._resume(plan.start.seq_state)
         parts: list[np.ndarray] = [] if plan.start is None else [plan.start.hidden]
         for i, (begin, end) in enumerate(plan.segments):
-            parts.append(self._append(seq, ids[begin:end], begin))
+            parts.append(self._append(seq, ids[begin:end], begin, plan.media))
             if i == 0 and plan.keeps_prefix:
                 self._prefix = (ids[:end].tobytes(),
                                 Snapshot(end, self._keep(seq, self._kept_bytes(seq)), parts[0]))

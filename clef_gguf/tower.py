@@ -23,10 +23,11 @@ import numpy as np
 from clef_gguf.cpus import available_cpus
 from clef_gguf.limits import CONTEXT_WINDOW
 from clef_gguf.errors import ClefError, InferenceError, InvalidSetting, ModelNotFound
-from clef_gguf.llama import ATTENTION, _Adapter, _Batch, _Context, _Model, extra_buffer_types, gpu_offload
+from clef_gguf.llama import ATTENTION, _Adapter, _Batch, _Context, _Model, _Positioned, extra_buffer_types, gpu_offload
 from clef_gguf.packing import (PACK_MEMORY_SHARE, PACKING, SEQ_HEADER, PackRule, Slot, chunks, free_memory,
                                next_group, to_one_stream, to_streams)
 from clef_gguf.statecache import Plan, SegmentedForward, Snapshot, StateCache, usable
+from clef_gguf.mediaprompt import MediaPrompt
 from clef_gguf.towers import Forwarded, Prompt, check_pack
 
 __all__ = ["PACKING", "PackRule", "Tower", "extra_buffer_types", "gpu_offload"]
@@ -47,6 +48,7 @@ class _Pool:
     refused: int | None = None  # the smallest KV window the memory budget refused
     budget: int | None = None  # bytes a packed context may take, probed on first need
     adapters: list[_Adapter] = field(default_factory=list)
+    positioned: _Positioned | None = None  # media prompts' batch (Tower._positioned)
 
 
 class Tower(SegmentedForward):
@@ -137,20 +139,41 @@ class Tower(SegmentedForward):
     def details(self) -> dict[str, str]:
         return {"attention": self.attention}
 
-    def _decode(self, ids: np.ndarray) -> np.ndarray:
-        """Append ``ids`` to the sequence, in chunks of ``n_batch`` from the segment's own start:
-        the fixed schedule that makes a restored segment bit-identical to a decoded one. Chunks
-        also keep every call under llama.cpp's per-call n_batch assert (an abort, not an error)."""
+    def _decode(self, ids: np.ndarray, at: int = 0, media: MediaPrompt | None = None) -> np.ndarray:
+        """Append ``ids`` (prompt tokens ``at``...) to the sequence, in chunks of ``n_batch`` from the
+        segment's own start: the fixed schedule that makes a restored segment bit-identical to a
+        decoded one. Chunks also keep every call under llama.cpp's per-call n_batch assert (an
+        abort, not an error). With ``media``, a chunk is further cut where its media runs begin and
+        end (one llama_batch is all tokens or all embeddings) and every piece carries its M-RoPE
+        positions."""
         out: np.ndarray = np.empty((len(ids), self.n_embd), dtype=np.float32)
         self._ctx.use(self._adapter)
         for start, end in chunks(0, len(ids), self._ctx.n_batch):
             try:
-                self._ctx.decode_tokens(np.ascontiguousarray(ids[start:end]))
+                if media is None:
+                    self._ctx.decode_tokens(np.ascontiguousarray(ids[start:end]))
+                    out[start:end] = self._ctx.rows(end - start, self.n_embd)
+                    continue
+                for begin, stop, row in media.pieces(at + start, at + end):
+                    pos = media.positions[:, begin:stop]
+                    if row is None:
+                        batch = self._positioned.tokens(ids[begin - at:stop - at], pos[0])
+                    else:
+                        batch = self._positioned.embeddings(media.embed()[row:row + stop - begin], pos)
+                    self._ctx.decode(batch)
+                    out[begin - at:stop - at] = self._ctx.rows(stop - begin, self.n_embd)
             except InferenceError:
                 self._ctx.clear()
                 raise
-            out[start:end] = self._ctx.rows(end - start, self.n_embd)
         return out
+
+    @property
+    def _positioned(self) -> _Positioned:
+        """The batch media prompts are decoded with, made on first use (``n_batch`` x ``n_embd``
+        floats; shared by the views of this tower, used under their lock)."""
+        if self._pool.positioned is None:
+            self._pool.positioned = _Positioned(self._ctx.n_batch, self.n_embd)
+        return self._pool.positioned
 
     def _restore(self, buf: np.ndarray) -> None:
         self._ctx.clear()
@@ -201,8 +224,8 @@ class Tower(SegmentedForward):
     def _resume(self, kept: np.ndarray) -> None:
         self._restore(kept)
 
-    def _append(self, _seq: None, ids: np.ndarray, _start: int) -> np.ndarray:
-        return self._decode(ids)
+    def _append(self, _seq: None, ids: np.ndarray, start: int, media: MediaPrompt | None = None) -> np.ndarray:
+        return self._decode(ids, start, media)
 
     def _kept_bytes(self, _seq: None) -> int:
         return self._ctx.state_size(0)

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from clef_gguf.errors import ClefError
+    from clef_gguf.mediaprompt import MediaPrompt
     from clef_gguf.statecache import StateCache
 
 # One prompt for ``forward_many``: (token ids, prefix tokens, state tokens).
@@ -68,8 +69,9 @@ class LanguageTower(Protocol):
         ...
 
     def forward(self, ids: np.ndarray, prefix: int, state: int,
-                cache: StateCache | None = None) -> Forwarded:
-        """``(hidden, cached_tokens)`` of a prompt ``[prefix][state][rest]`` (token counts)."""
+                cache: StateCache | None = None, media: MediaPrompt | None = None) -> Forwarded:
+        """``(hidden, cached_tokens)`` of a prompt ``[prefix][state][rest]`` (token counts);
+        ``media``: its images and videos, decoded as embeddings at their M-RoPE positions."""
         ...
 
     def forward_many(self, prompts: list[Prompt], cache: StateCache | None = None, *,

@@ -231,8 +231,9 @@ def quantize_model(model_dir, out, outtype: str, *, name: str | None = None, **o
                                                                          "tokenizer")}}
         source = {**manifest.get("source", {}), "quantized_from": str(found.tower.resolve()),
                   "quantization": quant}
+        kept = {"finetune": manifest["finetune"]} if "finetune" in manifest else {}  # a merged fine-tune
         files.write_manifest(stage, name or manifest.get("name", found.name), outtype, roles,
-                             extra={"source": source})
+                             extra={"source": source, **kept})
     return out
 
 

@@ -23,8 +23,6 @@ import numpy as np
 
 from clef_gguf import answer, engine, errors
 from clef_gguf.bulk.output import Journal, read_journal
-from clef_gguf.encode import TEMPLATE_SHA256
-from clef_gguf.evaluate import calibration
 from clef_gguf.evaluate import records as labelled
 from clef_gguf.evaluate.cost import Cost, PeakRss, file_bytes
 from clef_gguf.runtime import Clef, Prepared
@@ -114,8 +112,7 @@ def run_model(load: Callable[[], Clef], records: list[labelled.LabelledRecord], 
                     "backend": clef.info.get("backend"), "model_hash": clef.provenance.model_hash,
                     "calibration_version": clef.provenance.calibration_version}
             if with_binding:
-                info["binding"] = calibration.binding(clef.files, clef.provenance.model_hash,
-                                                      TEMPLATE_SHA256)
+                info["binding"] = clef.calibration_binding()  # a fine-tune's: its adapter and head
             wrong = _identity_mismatch(stored.get("info", {}), {"model_hash": info["model_hash"]})
             if wrong:
                 raise errors.InvalidValue(f"{directory} holds results of another model: give a "

@@ -19,7 +19,8 @@ import torch
 
 from clef_gguf.cpus import available_cpus
 from clef_gguf.limits import CONTEXT_WINDOW
-from clef_gguf.errors import ClefError, InvalidSetting
+from clef_gguf.errors import ClefError, InvalidSetting, Unsupported
+from clef_gguf.mediaprompt import MediaPrompt
 from clef_gguf.nvfp4.checkpoint import Checkpoint
 from clef_gguf.nvfp4.kernels import kernel_name
 from clef_gguf.nvfp4.model import TextModel
@@ -145,7 +146,10 @@ class NVFP4Tower(SegmentedForward):
     def _resume(self, kept: _CacheCopy) -> Any:
         return self.model.copy_cache(kept.cache)
 
-    def _append(self, seq: Any, ids: np.ndarray, start: int) -> np.ndarray:
+    def _append(self, seq: Any, ids: np.ndarray, start: int, media: MediaPrompt | None = None) -> np.ndarray:
+        if media is not None:
+            raise Unsupported("images and videos run on the gguf backend; the nvfp4 tower takes text only",
+                              field="images")
         return self._decode(ids, seq, start)
 
     def _kept_bytes(self, seq: Any) -> int:
