@@ -29,6 +29,10 @@ COMMANDS = {
     "convert-split": ("clef_gguf.convert.split", "add_split_arguments", "run_split",
                       "split a native clef-arch GGUF (head inside) into a qwen35 tower GGUF + "
                       "head files, without re-quantizing; also spelled `convert split`"),
+    "convert-adapter": ("clef_gguf.convert.cli", "add_adapter_arguments", "run_adapter",
+                        "convert a LoRA fine-tune (clef-finetune checkpoint, or PEFT adapter + head) "
+                        "into a fine-tune directory for a converted base, for --adapter; also "
+                        "spelled `convert adapter`"),
     "batch": ("clef_gguf.bulk.job", "add_arguments", "run",
               "answer every record of a JSONL or Parquet file into an output file (resumable; "
               "local or Ray engine)"),
@@ -106,8 +110,9 @@ def _fail(error: errors.ClefError) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:2] == ["convert", "split"]:  # upstream's two-word spelling; argparse needs one word
-        argv[:2] = ["convert-split"]
+    # Two-word spellings (upstream's `convert split`, and ours for adapters); argparse needs one word.
+    if argv[:2] in (["convert", "split"], ["convert", "adapter"]):
+        argv[:2] = [f"convert-{argv[1]}"]
     command = next((a for a in argv if not a.startswith("-")), None)
     args = build_parser(command).parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,

@@ -89,9 +89,29 @@ class Unsupported(InvalidRequest):
     code = "unsupported"
 
 
+# Images and videos (clef_gguf/media): the field names the image, e.g. "images.1" or "videos.0.2".
+class UnsupportedMediaSource(InvalidRequest):
+    """A local path or URL that this process was not allowed to read (server without an allow-list)."""
+
+    code = "unsupported_media_source"
+
+
+class InvalidMedia(InvalidRequest):
+    """Bytes that are not one image we decode: corrupt, truncated, unknown format, no frames, ratio > 200."""
+
+    code = "invalid_media"
+
+
 # Length (HTTP 413): refused rather than silently truncated.
 class ContextTooLarge(ClefError):
     code = "context_too_large"
+    status = 413
+
+
+class MediaTooLarge(ClefError):
+    """An image past the pixel budget or Pillow's decompression-bomb limit, or too many images."""
+
+    code = "media_too_large"
     status = 413
 
 

@@ -1,10 +1,12 @@
-"""``clef-gguf convert`` and ``clef-gguf demo`` (wired into ``clef_gguf.cli.COMMANDS``).
+"""``clef-gguf convert``, ``convert adapter`` and ``demo`` (wired into ``clef_gguf.cli.COMMANDS``).
 
-Both print one JSON summary on stdout; ``demo`` also warns on stderr that its weights are random.
+Each prints one JSON summary on stdout; ``demo`` also warns on stderr that its weights are random.
 Errors are raised as ``ClefError`` subclasses and rendered by ``clef_gguf.cli``.
 
 ``convert`` takes a Hugging Face release, or an already converted f32/f16/bf16 model directory
 (one with ``clef-gguf.json``), which it only quantizes: convert once, quantize many times.
+``convert adapter`` turns a LoRA fine-tune into a fine-tune directory for a converted base
+(``convert.lora``); ``demo --finetune`` adds a random one to the demo model.
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ from pathlib import Path
 
 from clef_gguf.argtypes import positive_int
 from clef_gguf import errors, files
-from clef_gguf.convert import quantize
+from clef_gguf.convert import lora, quantize
+from clef_gguf.convert.finetune_demo import build_finetune_checkpoint
 from clef_gguf.convert.release import convert_release, tower_name
 from clef_gguf.convert.tiny import PRESETS, build_release
+from clef_gguf.finetune_files import adapter_file_name, read_adapter_manifest
 
 RANDOM_WARNING = "RANDOM WEIGHTS - for testing the pipeline only; the answers mean nothing."
 OUTTYPE_HELP = ("f32 (default), f16, bf16, q8_0 (written directly; norms and 1-D tensors stay f32), "
@@ -28,6 +32,9 @@ OUTTYPE_HELP = ("f32 (default), f16, bf16, q8_0 (written directly; norms and 1-D
                 + "; or nvfp4a16 (FP4 weights) / nvfp4 (FP4 weights and activations, calibrated "
                 "on built-in prompts): a compressed-tensors checkpoint for `--backend nvfp4`")
 NVFP4_SCHEMES = ("nvfp4a16", "nvfp4")
+# Where `demo --finetune` puts the random checkpoint and its conversion, inside OUT.
+DEMO_CHECKPOINT = "finetune-checkpoint"
+DEMO_FINETUNE = "finetune"
 
 
 def add_convert_arguments(p: argparse.ArgumentParser) -> None:
@@ -99,6 +106,9 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--outtype", default="f32", metavar="TYPE",
                    help=OUTTYPE_HELP + " (quants get a uniform importance matrix: the weights are "
                    "random, there is nothing to calibrate)")
+    p.add_argument("--finetune", action="store_true",
+                   help="also write a random fine-tune checkpoint (clef-finetune's layout) into "
+                        "OUT/finetune-checkpoint and convert it into OUT/finetune, for --adapter")
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -107,8 +117,46 @@ def run_demo(args: argparse.Namespace) -> int:
     out = Path(args.out)
     release = build_release(out / "release", preset=args.preset, seed=args.seed)
     outtype = quantize.canonical_outtype(args.outtype)
-    convert_release(release, out, outtype=outtype, name=f"clef-random-{args.preset}-seed{args.seed}",
+    name = f"clef-random-{args.preset}-seed{args.seed}"
+    convert_release(release, out, outtype=outtype, name=name,
                     imatrix=None if outtype in quantize.DIRECT_TYPES else "uniform")
+    extra: dict[str, str] = {}
+    if args.finetune:
+        checkpoint = build_finetune_checkpoint(release, out / DEMO_CHECKPOINT, seed=args.seed + 1)
+        lora_type = "f32" if outtype == "f32" else "f16"
+        finetune = lora.convert_adapter(checkpoint, out / DEMO_FINETUNE, base=out, outtype=lora_type,
+                                        name=f"{name}-finetune")
+        extra = {"finetune_checkpoint": str(checkpoint), "finetune": str(finetune),
+                 "finetune_adapter": str(finetune / adapter_file_name(lora_type))}
     print(_summary(out, outtype, time.perf_counter() - start, release=str(release),
-                   preset=args.preset, seed=args.seed, warning=RANDOM_WARNING))
+                   preset=args.preset, seed=args.seed, **extra, warning=RANDOM_WARNING))
+    return 0
+
+
+def add_adapter_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="clef-finetune checkpoint directory (adapter/ with PEFT's "
+                   "adapter_config.json and adapter_model.safetensors, joint_head.safetensors, "
+                   "train_config.json), or a bare PEFT LoRA directory with --head")
+    p.add_argument("out", help="output fine-tune directory (created if missing)")
+    p.add_argument("--base", required=True, metavar="MODEL",
+                   help="the converted clef-gguf model directory the fine-tune was trained from "
+                        "(any quant: the adapter runs on every quant of its tower)")
+    p.add_argument("--outtype", default="f16", choices=list(lora.OUTTYPES),
+                   help="storage type of the LoRA matrices (default f16; q8_0 keeps rows that do "
+                        "not fill 32-value blocks in f16)")
+    p.add_argument("--name", help="fine-tune name in the manifest (default: CHECKPOINT's name)")
+    p.add_argument("--head", metavar="FILE",
+                   help="the fine-tune's joint_head.safetensors (default: the one in CHECKPOINT)")
+
+
+def run_adapter(args: argparse.Namespace) -> int:
+    start = time.perf_counter()
+    out = lora.convert_adapter(args.checkpoint, args.out, base=args.base, outtype=args.outtype,
+                               name=args.name, head=args.head)
+    manifest = read_adapter_manifest(out)
+    print(json.dumps({"finetune_dir": str(out), "adapter": str(out / manifest["adapter"]),
+                      "outtype": args.outtype, "rank": manifest["lora"]["rank"],
+                      "alpha": manifest["lora"]["alpha"], "targets": manifest["lora"]["targets"],
+                      "base": manifest["base"]["name"], "seconds": round(time.perf_counter() - start, 3)},
+                     indent=2))
     return 0

@@ -16,7 +16,10 @@ from clef_gguf import files
 from clef_gguf.convert import quantize
 from clef_gguf.convert import tensor_map as tm
 from clef_gguf.convert.hf_to_gguf import load_config, read_json, scan_checkpoint, write_tower
+from clef_gguf.convert.vision import write_vision
 from clef_gguf.errors import ConversionError, ModelNotFound
+
+FINETUNE_PROVENANCE = "CLEF_FINETUNE.json"
 
 
 def tower_name(outtype: str) -> str:
@@ -81,9 +84,14 @@ def convert_release(src, out, *, outtype: str = "f32", name: str | None = None, 
     for role in (files.HEAD_WEIGHTS, files.HEAD_CONFIG):
         if not (src / role).is_file():
             raise ModelNotFound(f"{role} not found in {src}", field="src")
+    # A release written by `clef-finetune merge` says what it was merged from: the manifest keeps it.
+    provenance = src / FINETUNE_PROVENANCE
+    finetune = {"finetune": read_json(provenance)} if provenance.is_file() else {}
     name = name or src.resolve().name
     tower = tower_name(outtype)
     with files.staged_directory(out) as stage:  # a failed conversion leaves no half directory
+        # The vision part first: it is quick, and a broken one fails before the slow tower.
+        vision = write_vision(src, stage)
         if outtype in tm.OUTTYPES:
             summary = write_tower(src, stage / tower, outtype=outtype, name=name)
         else:
@@ -95,5 +103,6 @@ def convert_release(src, out, *, outtype: str = "f32", name: str | None = None, 
         files.write_manifest(stage, name, outtype,
                              {"tower": tower, "head_weights": files.HEAD_WEIGHTS,
                               "head_config": files.HEAD_CONFIG, "tokenizer": files.TOKENIZER},
-                             extra={"source": source})
+                             extra={"source": source, **finetune, **({"vision": vision} if vision else {})},
+                             also=tuple(vision.values()) if vision else ())
     return out
