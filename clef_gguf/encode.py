@@ -19,6 +19,7 @@ import tokenizers
 
 from clef_gguf import errors
 from clef_gguf.limits import CONTEXT_WINDOW
+from clef_gguf.mediaprompt import MediaPrompt
 from clef_gguf.request import Question, Request
 
 SYSTEM = ("Read the complete state and schema. Decide every field jointly. "
@@ -67,6 +68,9 @@ class Encoded:
     state_tokens: int  # state tokens kept in the prompt
     prefix_tokens: int  # the fixed system prefix: the prompt is [prefix][state][schema + suffix]
     truncated: bool  # True only when the caller asked for truncation and it happened
+    # Images and videos: their ids open the state segment (right after the prefix, as the reference
+    # places them); ``media`` says where their embeddings go and every token's M-RoPE position.
+    media: MediaPrompt | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -150,18 +154,21 @@ class Encoder:
             out += self._ids("\n")
         out += self._ids(FIELD_END)
 
-    def encode(self, request: Request) -> Encoded:
+    def encode(self, request: Request, media_ids: tuple[int, ...] = ()) -> Encoded:
+        """``media_ids``: the expanded media text's ids (``clef_gguf.media``), placed before the state
+        and counted with the fixed part, as the reference does; they are part of the state segment."""
         schema: list[int] = list(self._ids(SCHEMA_HEADER))
         q_spans: list[tuple[int, int]] = []
         o_spans: list[tuple[int, int]] = []
         for i, question in enumerate(request.questions, 1):
             self._question_pieces(i, question, schema, q_spans, o_spans)
 
-        fixed = len(self.prefix) + len(schema) + len(self.suffix)
+        fixed = len(self.prefix) + len(media_ids) + len(schema) + len(self.suffix)
         if fixed > self.max_length:
+            what = "schema" if not media_ids else f"schema and media ({len(media_ids)} tokens)"
             raise errors.ContextTooLarge(
-                f"schema requires {fixed} tokens before state; maximum is {self.max_length}",
-                field="questions")
+                f"{what} requires {fixed} tokens before state; maximum is {self.max_length}",
+                field="questions" if not media_ids else ("images" if request.images else "videos"))
         room = self.max_length - fixed
         state, exact = self.state_ids(render(request.state), room)
         truncated = False
@@ -175,8 +182,8 @@ class Encoder:
             state = state[:room]
             truncated = True
 
-        offset = len(self.prefix) + len(state)
-        ids = np.fromiter((*self.prefix, *state, *schema, *self.suffix), dtype=np.int32,
+        offset = len(self.prefix) + len(media_ids) + len(state)
+        ids = np.fromiter((*self.prefix, *media_ids, *state, *schema, *self.suffix), dtype=np.int32,
                           count=fixed + len(state))
         shift = lambda spans: tuple((s + offset, e + offset) for s, e in spans)  # noqa: E731
         return Encoded(
@@ -185,7 +192,7 @@ class Encoder:
             option_spans=shift(o_spans),
             option_counts=tuple(len(q.options) for q in request.questions),
             types=tuple(q.type_index for q in request.questions),
-            state_tokens=len(state),
+            state_tokens=len(media_ids) + len(state),
             prefix_tokens=len(self.prefix),
             truncated=truncated,
         )

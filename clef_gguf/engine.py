@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 from clef_gguf import errors
 from clef_gguf.encode import Prepared
+
+if TYPE_CHECKING:
+    from clef_gguf.media.sources import MediaPolicy
 
 log = logging.getLogger("clef_gguf.engine")
 
@@ -41,7 +44,8 @@ class Model(Protocol):
     """What answers requests: a ``Clef``, or anything that prepares and runs like one (the server
     serves wrappers of a Clef too)."""
 
-    def prepare(self, request: Any, *, truncate_state: bool = False) -> Prepared: ...
+    def prepare(self, request: Any, *, truncate_state: bool = False,
+                media_policy: MediaPolicy | None = None) -> Prepared: ...
 
     def run(self, prepared: Prepared) -> Answered: ...
 
@@ -68,10 +72,14 @@ def windows(items: Iterable[T], size: int) -> Iterator[list[T]]:
         yield window
 
 
-def prepare(model: Model, request: Any, *, truncate_state: bool = False) -> Prepared | Exception:
-    """The request validated and tokenized, or what refused it (kept in the request's place)."""
+def prepare(model: Model, request: Any, *, truncate_state: bool = False,
+            media_policy: MediaPolicy | None = None) -> Prepared | Exception:
+    """The request validated and tokenized, or what refused it (kept in the request's place);
+    ``media_policy``: where its images may come from (None: the model's default)."""
     try:
-        return model.prepare(request, truncate_state=truncate_state)
+        if media_policy is None:
+            return model.prepare(request, truncate_state=truncate_state)
+        return model.prepare(request, truncate_state=truncate_state, media_policy=media_policy)
     except Exception as exc:  # noqa: BLE001 - this request's failure, answered in its place
         return exc
 

@@ -169,6 +169,13 @@ class Request:
     truncate_state: bool = False
     warnings: tuple[dict, ...] = ()  # what was ignored, for the response's ``warnings``
     calibration: Any = None  # the version asked for, as sent (None: not sent); checked by the runtime
+    images: tuple[str, ...] = ()  # each a data: URI, base64, a path or a URL (clef_gguf.media reads them)
+    videos: tuple[Any, ...] = ()  # each a list of frames (image strings), nested as the reference takes them
+    media_kwargs: dict[str, Any] | None = None  # the processor's keywords, as sent
+
+    @property
+    def has_media(self) -> bool:
+        return bool(self.images or self.videos)
 
 
 def _field(loc: tuple) -> str:
@@ -356,12 +363,9 @@ def parse_request(body: Any, *, truncate_state: bool = False, strict: bool = Fal
     policy.extras(wire, "", "not a SystemOne request key")
     if wire.options is not None:
         policy.extras(wire.options, "options.", "options are truncate_state and strict")
-    for media in ("images", "videos"):
-        if getattr(wire, media):
-            raise errors.Unsupported(
-                f"{media} are not supported: GGUF language towers carry no vision tower",
-                field=media)
-    if wire.media_kwargs:
+    images = tuple(_image(item, f"images.{i}") for i, item in enumerate(wire.images or ()))
+    videos = tuple(_frames(item, f"videos.{i}") for i, item in enumerate(wire.videos or ()))
+    if wire.media_kwargs and not (images or videos):
         policy.ignored("media_kwargs", "there is no media to process")
     if not calibrated and wire.calibration not in (None, "none"):
         if policy.strict:
@@ -378,4 +382,28 @@ def parse_request(body: Any, *, truncate_state: bool = False, strict: bool = Fal
     questions = tuple(_question(qid, spec, policy) for qid, spec in wire.questions.items())
     wants_truncation = truncate_state or bool(wire.options and wire.options.truncate_state)
     return Request(wire.model, wire.state, questions, wants_truncation, tuple(policy.warnings),
-                   wire.calibration)
+                   wire.calibration, images, videos, wire.media_kwargs if (images or videos) else None)
+
+
+def _image(item: Any, where: str) -> str:
+    """An image as the reference takes it (a string: data: URI, base64, path or URL); avrik-sdk's
+    ``{"data": base64, "media_type"}`` object is the same bytes as a data: URI."""
+    if isinstance(item, str):
+        return item
+    if isinstance(item, dict) and isinstance(item.get("data"), str) and set(item) <= {"data", "media_type"}:
+        kind = item.get("media_type", "image/png")
+        if not isinstance(kind, str):
+            raise errors.InvalidValue("media_type must be a string such as image/png", field=f"{where}.media_type")
+        return f"data:{kind};base64,{item['data']}"
+    raise errors.InvalidValue("an image is a string (a data: URI, base64, a file path or a URL) or "
+                              '{"data": base64, "media_type": ...}', field=where)
+
+
+def _frames(item: Any, where: str) -> Any:
+    """A video as sent: lists (of lists) of frame strings; clef_gguf.media reads its nesting."""
+    if isinstance(item, str):
+        return item
+    if not isinstance(item, list) or not item:
+        raise errors.InvalidValue("a video is a non-empty list of frames (image strings)", field=where)
+    return [_frames(x, f"{where}.{i}") if isinstance(x, list) else _image(x, f"{where}.{i}")
+            for i, x in enumerate(item)]

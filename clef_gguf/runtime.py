@@ -22,6 +22,8 @@ from clef_gguf.evaluate import calibration as calibration_file
 from clef_gguf.heads import head_scalars, load_head
 from clef_gguf.models.catalog import is_catalog_name
 from clef_gguf.lexical import RowStore
+from clef_gguf.media import support as media_support
+from clef_gguf.media.sources import MediaPolicy
 from clef_gguf.request import parse_request
 from clef_gguf.towers import LanguageTower, check_pack
 
@@ -100,6 +102,9 @@ class Clef:
         self.head_dtype = next(head.parameters()).dtype
         # The models this process answers with, by name: the base and its fine-tunes
         # (``finetunes.attach``), one dict shared by all of them; a request's ``model`` picks one.
+        # Images and videos: the release's processor settings and vision tower (loaded on the first
+        # picture), and where a request's pictures may come from (``prepare(media_policy=)``).
+        self.media = media_support.MediaSupport.none()
         self.models: dict[str, Clef] = {provenance.model_name: self}
         self.default = provenance.model_name  # who answers a request that names no model
         self.base = self  # the model that owns the tower
@@ -176,6 +181,8 @@ class Clef:
                  tower.n_embd, "the GPU" if tower.gpu_layers else "the CPU", head_scalars(joint))
         clef = cls(found, tower, lexical, joint, encoder, provenance, info, strict=strict,
                    state_cache_mb=state_cache_mb)
+        clef.media = media_support.MediaSupport.of(found, opened.backend, threads=tower.threads)
+        clef.info["vision"] = clef.media.describe()
         try:
             chosen = clef._attach(adapters)
             if cal is not None:
@@ -199,7 +206,7 @@ class Clef:
             model = type(self)(self.files, tune.tower, self.lexical, tune.head, self.encoder,
                                tune.provenance, self.info | tune.info, strict=self.strict,
                                state_cache=self.state_cache)
-            model.models, model.base = self.models, self
+            model.models, model.base, model.media = self.models, self, self.media
             self.models[name] = model
         if fine_default:
             self.default = next(iter(names))
@@ -229,7 +236,9 @@ class Clef:
         return found
 
     def prepare(self, request: Any, *, truncate_state: bool = False,
-                strict: bool | None = None) -> Prepared:
+                strict: bool | None = None, media_policy: MediaPolicy | None = None) -> Prepared:
+        """Validate and tokenize ``request`` (and read and process its images and videos, from the
+        sources ``media_policy`` allows: None, any path or URL, as the reference reads them)."""
         t0 = time.perf_counter()
         # The request's model is read before it is checked: which model answers decides whether
         # a calibration applies (the wire model is the same for every one of them).
@@ -239,14 +248,19 @@ class Clef:
                                calibrated=target.calibration is not None)
         if target.calibration is not None:
             target.calibration.check_requested(parsed.calibration)
-        encoded = target.encoder.encode(parsed)
+        if parsed.has_media:
+            media = target.media.tokens(parsed, target.encoder, media_policy)
+            parsed = dataclasses.replace(parsed, warnings=parsed.warnings + media_support.warnings(media))
+            encoded = media.attach(target.encoder.encode(parsed, media.ids))
+        else:
+            encoded = target.encoder.encode(parsed)
         return Prepared(parsed, encoded, (time.perf_counter() - t0) * 1e3, target.provenance.model_name)
 
     def _tower(self, enc: Encoded) -> tuple[np.ndarray, int, float]:
         """(hidden states, cached tokens, tower ms) of one prompt."""
         t0 = time.perf_counter()
         hidden, cached = self.tower.forward(enc.ids, enc.prefix_tokens, enc.state_tokens,
-                                            self.state_cache)
+                                            self.state_cache, enc.media)
         return hidden, cached, (time.perf_counter() - t0) * 1e3
 
     def logits(self, enc: Encoded) -> np.ndarray:
@@ -254,12 +268,12 @@ class Clef:
         hidden, _, _ = self._tower(enc)
         return self._head_logits(enc, hidden)[0]
 
-    def _of(self, prepared: Prepared) -> Clef:
+    def answering(self, prepared: Prepared) -> Clef:
         """The model ``prepared`` was prepared for."""
         return self.models.get(prepared.model, self) if prepared.model else self
 
     def run(self, prepared: Prepared) -> tuple[dict, dict[str, float]]:
-        model = self._of(prepared)
+        model = self.answering(prepared)
         return model._answer(prepared, *model._tower(prepared.encoded))
 
     def decide(self, request: Any, *, truncate_state: bool = False,
@@ -283,7 +297,9 @@ class Clef:
 
     def pack_size(self, prepared: Prepared) -> int:
         """How many prompts like this one the tower decodes together (1: one at a time)."""
-        return self._of(prepared).tower.pack_size(prepared.encoded.n_tokens)
+        if prepared.encoded.media is not None:
+            return 1
+        return self.answering(prepared).tower.pack_size(prepared.encoded.n_tokens)
 
     def run_many(self, prepared: list[Prepared], *, pack: int | None = None
                  ) -> list[tuple[dict, dict[str, float]] | errors.ClefError]:
@@ -293,18 +309,28 @@ class Clef:
         answers are the same either way. A packed request's ``tower`` time is its share of the
         packed decode."""
         check_pack(pack)
-        if pack == 1 or len(prepared) < 2:
-            return [self._run_or_error(p) for p in prepared]
+        if pack == 1 or len(prepared) < 2 or any(p.encoded.media is not None for p in prepared):
+            # Media prompts decode one at a time (their embeddings and positions are their own).
+            if pack == 1 or len(prepared) < 2 or all(p.encoded.media is not None for p in prepared):
+                return [self._run_or_error(p) for p in prepared]
+            text = [i for i, p in enumerate(prepared) if p.encoded.media is None]
+            out_all: list[tuple[dict, dict[str, float]] | errors.ClefError | None] = [None] * len(prepared)
+            for i, result in zip(text, self.run_many([prepared[i] for i in text], pack=pack)):
+                out_all[i] = result
+            for i, p in enumerate(prepared):
+                if out_all[i] is None:
+                    out_all[i] = self._run_or_error(p)
+            return [r for r in out_all if r is not None]
         by_model: dict[str, list[int]] = {}
         for i, p in enumerate(prepared):
-            by_model.setdefault(self._of(p).provenance.model_name, []).append(i)
+            by_model.setdefault(self.answering(p).provenance.model_name, []).append(i)
         if len(by_model) > 1:  # one decode applies one adapter: each model's requests together
             out: list[tuple[dict, dict[str, float]] | errors.ClefError | None] = [None] * len(prepared)
             for name, where in by_model.items():
                 for i, result in zip(where, self.models[name].run_many([prepared[i] for i in where], pack=pack)):
                     out[i] = result
             return [r for r in out if r is not None]
-        model = self._of(prepared[0])
+        model = self.answering(prepared[0])
         if model is not self:
             return model.run_many(prepared, pack=pack)
         t0 = time.perf_counter()
@@ -361,7 +387,7 @@ class Clef:
     def probabilities(self, request: Any, *, truncate_state: bool = False) -> list[np.ndarray]:
         """Unrounded fp32 probabilities per question, in prompt option order (parity checks)."""
         prepared = self.prepare(request, truncate_state=truncate_state)
-        model, enc = self._of(prepared), prepared.encoded
+        model, enc = self.answering(prepared), prepared.encoded
         return answer.split_probabilities(model.logits(enc), enc.option_counts, model.temperatures(enc))
 
     def temperatures(self, enc: Encoded) -> tuple[float, ...] | None:

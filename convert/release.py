@@ -12,6 +12,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from clef_gguf.media.config import IMAGE_PROCESSOR_FILE, PROCESSOR_FILE, VIDEO_PROCESSOR_FILE
 from clef_gguf import files
 from clef_gguf.convert import quantize
 from clef_gguf.convert import tensor_map as tm
@@ -54,6 +55,10 @@ def _copy(src: Path, dst: Path) -> None:
         shutil.copyfile(src, dst)
 
 
+# What the reference's processor reads from a release (clef_gguf.media.config): copied as they are.
+PROCESSOR_FILES = (PROCESSOR_FILE, IMAGE_PROCESSOR_FILE, VIDEO_PROCESSOR_FILE)
+
+
 def convert_release(src, out, *, outtype: str = "f32", name: str | None = None, imatrix=None,
                     output_type: str | None = None, token_embedding_type: str | None = None,
                     threads: int | None = None) -> Path:
@@ -90,14 +95,16 @@ def convert_release(src, out, *, outtype: str = "f32", name: str | None = None, 
     name = name or src.resolve().name
     tower = tower_name(outtype)
     with files.staged_directory(out) as stage:  # a failed conversion leaves no half directory
-        # The vision part first: it is quick, and a broken one fails before the slow tower.
-        vision = write_vision(src, stage)
         if outtype in tm.OUTTYPES:
             summary = write_tower(src, stage / tower, outtype=outtype, name=name)
         else:
             summary = write_quantized_tower(src, stage / tower, outtype, name=name, **quant_options)
         for fname in (files.HEAD_WEIGHTS, files.HEAD_CONFIG, files.TOKENIZER):
             _copy(src / fname, stage / fname)
+        for fname in PROCESSOR_FILES:  # the image and video processors' settings, where the release has them
+            if (src / fname).is_file():
+                _copy(src / fname, stage / fname)
+        vision = write_vision(src, stage)  # None for a text-only release
         source = {"path": str(src.resolve()), **summary,
                   "random_weights": (src / "RANDOM_WEIGHTS.json").is_file()}
         files.write_manifest(stage, name, outtype,

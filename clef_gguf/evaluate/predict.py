@@ -25,6 +25,7 @@ from clef_gguf import answer, engine, errors
 from clef_gguf.bulk.output import Journal, read_journal
 from clef_gguf.evaluate import records as labelled
 from clef_gguf.evaluate.cost import Cost, PeakRss, file_bytes
+from clef_gguf.media.sources import MediaPolicy
 from clef_gguf.runtime import Clef, Prepared
 
 JOURNAL = "records.jsonl"
@@ -39,13 +40,15 @@ class LogitsModel:
     def __init__(self, clef: Clef) -> None:
         self.clef = clef
 
-    def prepare(self, request: Any, *, truncate_state: bool = False) -> Prepared:
-        return self.clef.prepare(request, truncate_state=truncate_state)
+    def prepare(self, request: Any, *, truncate_state: bool = False,
+                media_policy: MediaPolicy | None = None) -> Prepared:
+        return self.clef.prepare(request, truncate_state=truncate_state, media_policy=media_policy)
 
     def run(self, prepared: Prepared) -> tuple[dict[str, Any], dict[str, float]]:
         enc = prepared.encoded
-        logits = self.clef.logits(enc)
-        probs = answer.split_probabilities(logits, enc.option_counts, self.clef.temperatures(enc))
+        model = self.clef.answering(prepared)  # the base or the fine-tune the record names
+        logits = model.logits(enc)
+        probs = answer.split_probabilities(logits, enc.option_counts, model.temperatures(enc))
         return {"logits": logits, "probs": probs}, {"tokens": float(enc.n_tokens)}
 
 

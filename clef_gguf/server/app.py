@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from clef_gguf import argtypes
 from clef_gguf.errors import ClefError, MissingField
+from clef_gguf.media.sources import INLINE_ONLY, MediaPolicy
 from clef_gguf.server import schema
 from clef_gguf.server import ui as page
 from clef_gguf.server.http import RequestContext
@@ -47,7 +49,9 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
 DEFAULT_QUEUE_SIZE = 64  # waiting requests: room for 32+ busy clients; past that 429 beats
 #                          letting latency grow without bound
-DEFAULT_MAX_BODY = 8 * 1024 * 1024  # a full 16k-token state is ~100 KB; batches need more
+# A full 16k-token state is ~100 KB; images come inline, base64 (4/3 of their bytes): 32 MiB holds
+# a few phone photos or a batch of screenshots.
+DEFAULT_MAX_BODY = 32 * 1024 * 1024
 DEFAULT_MAX_BATCH = 256
 # Tokenizing is CPU work next to the model's own threads: two keep a burst of small requests
 # moving without taking the cores a forward pass needs.
@@ -65,14 +69,16 @@ def create_app(model: Any, *, api_key: str | None = None,
                queue_size: int = DEFAULT_QUEUE_SIZE, max_body_bytes: int = DEFAULT_MAX_BODY,
                max_batch: int = DEFAULT_MAX_BATCH, load_kwargs: dict[str, Any] | None = None,
                on_load_error: Callable[[ClefError], None] | None = None,
-               tokenize_workers: int = DEFAULT_TOKENIZE_WORKERS, ui: bool = True) -> FastAPI:
+               tokenize_workers: int = DEFAULT_TOKENIZE_WORKERS, ui: bool = True,
+               media_policy: MediaPolicy = INLINE_ONLY) -> FastAPI:
     """The ASGI app. ``model``: a loaded ``Clef`` (served as is, not closed at shutdown), a model
     directory / catalog name (loaded in the background with ``Clef.load(model, **load_kwargs)``),
     or a zero-argument callable returning a ``Clef`` (also loaded in the background).
 
     ``queue_size`` bounds both waits: requests waiting for one of the ``tokenize_workers``
     threads, and prepared requests waiting for the model. ``ui``: serve the playground page on
-    ``GET /`` (``clef_gguf.server.ui``)."""
+    ``GET /`` (``clef_gguf.server.ui``). ``media_policy``: where requests' images may come from
+    (default: inline only, data: URIs and base64)."""
     from fastapi import FastAPI
 
     from clef_gguf import __version__
@@ -90,7 +96,7 @@ def create_app(model: Any, *, api_key: str | None = None,
     if ui:
         page.add_routes(app)
     Routes(served, JobRunner(queue, stage), max_body_bytes=max_body_bytes,
-           max_batch=max_batch).register(app)
+           max_batch=max_batch, media_policy=media_policy).register(app)
     app.openapi = lambda: openapi_document(app, max_batch)  # type: ignore[method-assign]
     app.add_middleware(RequestContext, api_key=api_key,
                        open_paths=(OPEN_PATHS | page.PATHS) if ui else OPEN_PATHS)
@@ -164,6 +170,14 @@ def add_arguments(p: argparse.ArgumentParser, *, page_flag: bool = True) -> None
                         f"a 9B model on a CPU)")
     g.add_argument("--max-body-bytes", type=argtypes.positive_int, default=DEFAULT_MAX_BODY,
                    help=f"larger request bodies get 413 (default {DEFAULT_MAX_BODY})")
+    g.add_argument("--media-allow-url", action="append", metavar="HOST|PREFIX|*", default=None,
+                   help="let requests name images by URL on this host (example.com, .example.com for "
+                        "its subdomains too, host:port), under this URL prefix (https://cdn.example.com/"
+                        "img/), or * for any; repeatable. Default: no fetching (data: URIs and base64 "
+                        "only): a server that fetches what a request names is an SSRF hole")
+    g.add_argument("--media-allow-files", action="store_true",
+                   help="let requests name images by local file path (relative to the working "
+                        "directory); default: refused (unsupported_media_source)")
     g.add_argument("--max-batch", type=argtypes.positive_int, default=DEFAULT_MAX_BATCH,
                    help=f"inputs per batch request (default {DEFAULT_MAX_BATCH})")
     g.add_argument("--engine", choices=("uvicorn", "ray-serve"), default="uvicorn",
@@ -172,6 +186,12 @@ def add_arguments(p: argparse.ArgumentParser, *, page_flag: bool = True) -> None
                         "(Ray from $RAY_ADDRESS, else a private one; pip install 'clef-gguf[ray]')")
     g.add_argument("--replicas", type=argtypes.positive_int, default=1,
                    help="with --engine ray-serve: model replicas (default 1)")
+
+
+def media_policy(args: argparse.Namespace) -> MediaPolicy:
+    """The sources ``--media-allow-url`` / ``--media-allow-files`` open beyond inline images."""
+    urls = tuple(getattr(args, "media_allow_url", None) or ())
+    return dataclasses.replace(INLINE_ONLY, url_allow=urls, local_paths=bool(getattr(args, "media_allow_files", False)))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -200,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(lambda: load_model(args), api_key=args.api_key, queue_size=args.queue_size,
                      max_body_bytes=args.max_body_bytes, max_batch=args.max_batch,
                      on_load_error=load_failed, tokenize_workers=args.tokenize_workers,
-                     ui=not args.no_ui)
+                     ui=not args.no_ui, media_policy=media_policy(args))
     config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None,
                             access_log=False,  # our own line per request replaces it
                             timeout_graceful_shutdown=args.drain_timeout)

@@ -20,6 +20,7 @@ import pydantic
 
 from clef_gguf import engine, errors
 from clef_gguf.errors import ClefError
+from clef_gguf.media.sources import MediaPolicy
 from clef_gguf.server import schema
 from clef_gguf.server.http import ApiError
 from clef_gguf.server.state import ServedModel
@@ -166,13 +167,13 @@ def _fail(item: BatchItem, exc: Exception) -> None:
     item.error = engine.error_body(exc, f"batch input {item.id!r}")
 
 
-def prepare_items(clef: engine.Model, items: list[BatchItem]) -> int:
+def prepare_items(clef: engine.Model, items: list[BatchItem], media_policy: MediaPolicy | None = None) -> int:
     """Validate + tokenize every input not refused yet (runs in a tokenizer thread); the prompt
-    tokens of the inputs prepared."""
+    tokens of the inputs prepared. ``media_policy``: where their images may come from."""
     tokens = 0
     for item in items:
         if item.error is None:
-            prepared = engine.prepare(clef, item.request)
+            prepared = engine.prepare(clef, item.request, media_policy=media_policy)
             if isinstance(prepared, Exception):
                 _fail(item, prepared)
             else:

@@ -9,6 +9,7 @@ runner, the body limits); ``register`` puts them on an app with their OpenAPI do
 
 # No ``from __future__ import annotations``: FastAPI reads the route signatures at runtime.
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
@@ -19,6 +20,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
 from clef_gguf import errors
+from clef_gguf.media.sources import INLINE_ONLY, MediaPolicy
 from clef_gguf.server import schema
 from clef_gguf.server.batch import batch_response, compute_items, is_batch, parse_batch, prepare_items
 from clef_gguf.server.http import (ApiError, RequestClient, client_closed, internal_error,
@@ -41,15 +43,19 @@ class Routes:
     """The endpoints of one served model."""
 
     def __init__(self, served: Served, runner: JobRunner, *, max_body_bytes: int,
-                 max_batch: int) -> None:
+                 max_batch: int, media_policy: MediaPolicy = INLINE_ONLY) -> None:
         self.served, self.runner = served, runner
         self.max_body_bytes, self.max_batch = max_body_bytes, max_batch
+        # Where requests' images may come from: inline (data: URIs, base64) unless the server was
+        # started with an allow-list (a server that reads what a request names is an SSRF hole).
+        self.media_policy = media_policy
 
     # ------------------------------------------------------------------ the two ways to answer
     async def single(self, request: Request, clef: ServedModel, body: Any,
                      admission: Admission) -> Response:
         client = RequestClient(request)
-        prepared = await self.runner.prepare(client, admission, clef.prepare, body)
+        prepare = functools.partial(clef.prepare, media_policy=self.media_policy)
+        prepared = await self.runner.prepare(client, admission, prepare, body)
         note(request, tokens=prepared.encoded.n_tokens)
         result = await self.runner.compute(client, lambda _job: clef.run(prepared),
                                            (clef, prepared))
@@ -66,7 +72,7 @@ class Routes:
         client = RequestClient(request)
         items, model = parse_batch(body, self.max_batch)
         note(request, tokens=await self.runner.prepare(client, admission, prepare_items, clef,
-                                                       items))
+                                                       items, self.media_policy))
         # All refused: answered without queueing.
         if any(i.prepared is not None for i in items) and await self.runner.compute(
                 client, lambda job: compute_items(clef, items, job)) is None:
