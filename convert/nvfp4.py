@@ -28,6 +28,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from clef_gguf.convert.release import PROCESSOR_FILES
 from clef_gguf import errors, files
 from clef_gguf.convert.hf_to_gguf import SUPPORTED, load_config, read_json, scan_checkpoint
 from clef_gguf.nvfp4 import format as fmt
@@ -314,7 +315,8 @@ def quantize_release(src, out, *, scheme: str, name: str | None = None, calibrat
         with files.staged_directory(out) as stage:  # a failed conversion leaves no half directory
             shards = write_checkpoint(stage, entries, reader, max_shard_bytes)
             (stage / files.CHECKPOINT_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-            for fname in (files.HEAD_WEIGHTS, files.HEAD_CONFIG, files.TOKENIZER, TOKENIZER_CONFIG):
+            for fname in (files.HEAD_WEIGHTS, files.HEAD_CONFIG, files.TOKENIZER, TOKENIZER_CONFIG,
+                          *PROCESSOR_FILES):
                 if (src / fname).is_file():
                     shutil.copyfile(src / fname, stage / fname)
             source = {"path": str(src.resolve()), "scheme": scheme, "quantized_modules": len(targets),

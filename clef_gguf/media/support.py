@@ -43,12 +43,15 @@ class MediaSupport:
         ``vision.safetensors``, written by ``convert`` from the release) and processor settings."""
         from clef_gguf.vision.load import VISION_CONFIG
 
-        if backend != "gguf":
-            return cls.none(f"images and videos run on the gguf backend, not {backend}")
         directory = found.tower.parent
-        if not (directory / VISION_CONFIG).is_file():
+        if backend == "nvfp4":  # a checkpoint keeps the release's vision tensors as stored
+            from clef_gguf.vision.load import release_config
+
+            if release_config(directory) is None:
+                return cls.none(f"{directory / 'config.json'} has no vision_config")
+        elif not (directory / VISION_CONFIG).is_file():
             return cls.none(f"{directory} has no vision tower ({VISION_CONFIG}); convert the release "
-                            "again with this version, or pull the model's vision part")
+                            "again with this version")
         processor = load_processor_config(directory)
         if processor is None:
             return cls.none(f"{directory} has no processor settings (preprocessor_config.json)")

@@ -139,12 +139,20 @@ class TextModel:
         return total
 
     @torch.inference_mode()
-    def hidden(self, ids: torch.Tensor, cache: DynamicCache | None = None, past: int = 0) -> torch.Tensor:
+    def hidden(self, ids: torch.Tensor, cache: DynamicCache | None = None, past: int = 0,
+               media: list[tuple[int, int, torch.Tensor]] | None = None,
+               mrope: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden states of ``ids`` (tokens ``past``... of the prompt). ``media``: ``(start,
+        stop, rows)`` runs of ``ids`` whose input is the vision tower's ``rows`` instead of their
+        token embedding; ``mrope``: the (t, h, w) positions [3, len(ids)] media prompts take."""
         ids = ids.to(self.device, torch.long)
         embeds = F.embedding(ids, self.model.embed_tokens.weight).to(self.dtype)[None]
+        for start, stop, rows in media or ():
+            embeds[0, start:stop] = rows.to(self.device, self.dtype)
         # Positions given explicitly: a hybrid cache's first layer may be a recurrent one, which
         # has no sequence length to count from.
-        positions = torch.arange(past, past + len(ids), device=self.device)[None]
+        positions = (torch.arange(past, past + len(ids), device=self.device)[None] if mrope is None
+                     else mrope.to(self.device, torch.long)[:, None, :])
         out = self.model(inputs_embeds=embeds, position_ids=positions, past_key_values=cache,
                          use_cache=cache is not None)
         return out.last_hidden_state[0]

@@ -19,7 +19,7 @@ import torch
 
 from clef_gguf.cpus import available_cpus
 from clef_gguf.limits import CONTEXT_WINDOW
-from clef_gguf.errors import ClefError, InvalidSetting, Unsupported
+from clef_gguf.errors import ClefError, InvalidSetting
 from clef_gguf.mediaprompt import MediaPrompt
 from clef_gguf.nvfp4.checkpoint import Checkpoint
 from clef_gguf.nvfp4.kernels import kernel_name
@@ -127,10 +127,16 @@ class NVFP4Tower(SegmentedForward):
         check_pack(pack)
         return self._forward_each(prompts, cache)
 
-    def _decode(self, ids: np.ndarray, cache: Any, past: int) -> np.ndarray:
+    def _decode(self, ids: np.ndarray, cache: Any, past: int, media: MediaPrompt | None = None) -> np.ndarray:
         if len(ids) == 0:
             return np.empty((0, self.n_embd), dtype=np.float32)
-        hidden = self.model.hidden(torch.from_numpy(ids.astype(np.int64)), cache, past)
+        runs, mrope = None, None
+        if media is not None:  # the vision tower's rows in place of the pad tokens, M-RoPE positions
+            end = past + len(ids)
+            runs = [(begin - past, stop - past, torch.from_numpy(media.embed()[row:row + stop - begin]))
+                    for begin, stop, row in media.pieces(past, end) if row is not None]
+            mrope = torch.from_numpy(media.positions[:, past:end].astype(np.int64))
+        hidden = self.model.hidden(torch.from_numpy(ids.astype(np.int64)), cache, past, runs, mrope)
         return hidden.float().cpu().numpy()
 
     def hidden_states(self, ids: np.ndarray) -> np.ndarray:
@@ -147,10 +153,7 @@ class NVFP4Tower(SegmentedForward):
         return self.model.copy_cache(kept.cache)
 
     def _append(self, seq: Any, ids: np.ndarray, start: int, media: MediaPrompt | None = None) -> np.ndarray:
-        if media is not None:
-            raise Unsupported("images and videos run on the gguf backend; the nvfp4 tower takes text only",
-                              field="images")
-        return self._decode(ids, seq, start)
+        return self._decode(ids, seq, start, media)
 
     def _kept_bytes(self, seq: Any) -> int:
         return self.model.cache_bytes(seq)

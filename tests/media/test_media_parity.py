@@ -76,3 +76,40 @@ def test_text_only_answers_are_unchanged_by_the_vision_part(tiny_model_dir, tmp_
         with pytest.raises(Exception) as exc:
             blind.decide(dict(request, images=[png_uri(16, 16)]))
         assert getattr(exc.value, "code", None) == "unsupported" and exc.value.field == "images"
+
+
+def test_the_nvfp4_backend_sees_the_same_pictures(tiny_model_dir, tiny_nvfp4_dir, tiny_release):
+    """The nvfp4 checkpoint keeps the release's vision tensors: the same media prompt (ids, runs, M-RoPE
+    positions) as the GGUF path, and its tower decodes it as transformers' model on the dequantized
+    weights does, fed the same vision rows at the same positions."""
+    import torch
+    import transformers
+
+    from clef_gguf import files
+    from clef_gguf.nvfp4 import format as fmt
+    from clef_gguf.nvfp4.checkpoint import Checkpoint
+
+    directory = tiny_nvfp4_dir("nvfp4a16")
+    checkpoint = Checkpoint(directory / files.CHECKPOINT_CONFIG)
+    ref = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(tiny_release, dtype=torch.float32).eval()
+    for name in checkpoint.quantized:
+        ref.get_submodule(name).weight.data.copy_(fmt.dequantize_weight(
+            checkpoint.tensor(f"{name}.weight_packed"), checkpoint.tensor(f"{name}.weight_scale"),
+            checkpoint.tensor(f"{name}.weight_global_scale")))
+    lm = ref.model.language_model
+    with Clef.load(tiny_model_dir, state_cache_mb=0) as gguf, Clef.load(directory, state_cache_mb=0) as fp4:
+        assert fp4.info["vision"] == "images, videos"
+        for request in [_requests()[i] for i in (1, 3, 5)]:
+            enc = fp4.prepare(request).encoded
+            assert enc.ids.tolist() == gguf.prepare(request).encoded.ids.tolist()
+            ours, _ = fp4.tower.forward(enc.ids, enc.prefix_tokens, enc.state_tokens, None, enc.media)
+            media = enc.media
+            with torch.no_grad():
+                x = lm.embed_tokens(torch.as_tensor(enc.ids, dtype=torch.long)[None])
+                at = 0
+                for run in media.runs:
+                    x[0, run.start:run.end] = torch.from_numpy(media.embed()[at:at + run.n_tokens])
+                    at += run.n_tokens
+                pos = torch.from_numpy(media.positions.astype(np.int64))[:, None, :]
+                theirs = lm(inputs_embeds=x, position_ids=pos, use_cache=False).last_hidden_state[0].numpy()
+            assert float(np.abs(ours - theirs).max()) < 2e-4 * max(1.0, float(np.abs(theirs).max()))
