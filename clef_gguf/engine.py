@@ -116,10 +116,11 @@ def run(model: Model, prepared: Sequence[Prepared], *, pack: int | None = None,
 
 
 def answer(model: Model, requests: Sequence[Any], *, truncate_state: bool = False,
-           pack: int | None = None) -> list[dict[str, Any]]:
+           pack: int | None = None, media_policy: MediaPolicy | None = None) -> list[dict[str, Any]]:
     """One response per request, in input order; a request that fails gives
-    ``{"error": {code, message, field}}`` in its place."""
-    prepared = [prepare(model, request, truncate_state=truncate_state) for request in requests]
+    ``{"error": {code, message, field}}`` in its place. ``media_policy``: as for ``prepare``."""
+    prepared = [prepare(model, request, truncate_state=truncate_state, media_policy=media_policy)
+                for request in requests]
     ready = [(i, p) for i, p in enumerate(prepared) if not isinstance(p, Exception)]
     outcomes: list[Outcome | None] = [p if isinstance(p, Exception) else None for p in prepared]
     for (i, _), outcome in zip(ready, run(model, [p for _, p in ready], pack=pack)):

@@ -4,8 +4,9 @@
 holds, at toy size: ``config.json`` (``Qwen3_5ForConditionalGeneration`` with text and vision
 sub-configs), bf16 ``model*.safetensors`` with the exact Hugging Face tensor names (a tiny vision
 tower and an MTP block included, so the converter has something to skip), a byte-level BPE
-``tokenizer.json`` trained here on a built-in corpus, ``tokenizer_config.json``, and the joint head
-files. Transformers is deliberately not imported: this must run after a plain ``pip install``.
+``tokenizer.json`` trained here on a built-in corpus, ``tokenizer_config.json``, the image and video
+processor files sized for the tiny tower, and the joint head files. Transformers is deliberately not
+imported: this must run after a plain ``pip install``.
 
 The weights are seeded noise scaled so that every block contributes O(1) to the residual stream;
 a converter bug in any tensor (a wrong V-head order, a missing ``+1`` on a norm) then shows up as
@@ -42,6 +43,17 @@ PLAIN_ADDED_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_
 _TINY_VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
                 "patch_size": 4, "spatial_merge_size": 2, "temporal_patch_size": 2,
                 "num_position_embeddings": 16, "in_channels": 3}
+
+# The processor files a Hub release ships, sized for the tiny tower: one merged token covers 8x8 pixels
+# (patch 4, merge 2); images keep 16x16 (4 tokens) to 64x64 pixels (64 tokens), so a 100x100 image
+# resizes; video bounds count all frames (4 frames of 64x64 at most).
+_TINY_PROCESSOR = {"patch_size": _TINY_VISION["patch_size"], "temporal_patch_size": _TINY_VISION["temporal_patch_size"],
+                   "merge_size": _TINY_VISION["spatial_merge_size"], "image_mean": [0.5, 0.5, 0.5],
+                   "image_std": [0.5, 0.5, 0.5], "processor_class": "Qwen3VLProcessor"}
+TINY_IMAGE_PROCESSOR = {**_TINY_PROCESSOR, "size": {"shortest_edge": 16 * 16, "longest_edge": 64 * 64},
+                        "image_processor_type": "Qwen2VLImageProcessorFast"}
+TINY_VIDEO_PROCESSOR = {**_TINY_PROCESSOR, "size": {"shortest_edge": 2 * 16 * 16, "longest_edge": 4 * 64 * 64},
+                        "video_processor_type": "Qwen3VLVideoProcessor"}
 
 PRESETS: dict[str, dict] = {
     # Everything small; 3 linear-attention layers + 1 full-attention layer; 4 value heads over 2 key
@@ -303,6 +315,8 @@ def build_release(out_dir, *, preset: str = "tiny", seed: int = 0, shards: int |
     (out / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(tok), indent=2) + "\n")
     (out / "config.json").write_text(json.dumps(make_config(p, tok), indent=2) + "\n")
     _write_weights(out, tensor_specs(p), shards or p["shards"], seed)
+    (out / "preprocessor_config.json").write_text(json.dumps(TINY_IMAGE_PROCESSOR, indent=2) + "\n")
+    (out / "video_preprocessor_config.json").write_text(json.dumps(TINY_VIDEO_PROCESSOR, indent=2) + "\n")
     if with_head:
         _write_head(out, p["head"], seed)
     (out / "RANDOM_WEIGHTS.json").write_text(json.dumps(

@@ -32,6 +32,8 @@ SLOW_MODULES = {
     "tests/server/test_server_soak.py": "thousands of requests",
     "tests/server/test_server_load.py": "64 clients, signals to real server processes",
     "tests/server/test_server_fuzz.py": "schemathesis over every endpoint",
+    "tests/server/test_server_media_fuzz.py": "70 bad pictures through a serve process, 5 decide processes",
+    "tests/test_cli_media.py": "one Python process per command",
     "tests/server/test_ui_browser.py": "headless Chromium against real servers",
     "tests/tools/test_bench.py": "benchmarks in alternating rounds",
     "tests/tools/test_bench_server.py": "a server under load",

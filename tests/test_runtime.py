@@ -126,8 +126,9 @@ def test_invalid_request_is_refused_before_compute(clef):
     with pytest.raises(errors.TooFewOptions):
         clef.prepare({"state": "x", "questions": {"c": {"type": "choice", "criteria": {"a": 1}}}},
                      strict=True)
-    with pytest.raises(errors.Unsupported):
+    with pytest.raises(errors.InvalidMedia) as exc:  # "a" is base64 (of no picture), not a file name
         clef.decide({"state": "x", "images": ["a"], "questions": {"q": {"type": "noul"}}})
+    assert exc.value.field == "images.0"
 
 
 def test_too_long_refused_or_truncated(clef):

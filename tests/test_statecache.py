@@ -158,7 +158,7 @@ class ListTower(SegmentedForward):
     def _resume(self, kept: Kept) -> list[int]:
         return list(kept.tokens)
 
-    def _append(self, seq: list[int], ids: np.ndarray, start: int) -> np.ndarray:
+    def _append(self, seq: list[int], ids: np.ndarray, start: int, media: object = None) -> np.ndarray:
         self.decoded.append((start, start + len(ids)))
         rows = []
         for t in ids:

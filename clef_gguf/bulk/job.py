@@ -5,12 +5,17 @@ fails here, before the model loads), open the output (what is there is done and 
 compute the rest with the local or the Ray engine, writing each record as it is answered. The
 summary goes to stderr; exit 0 when every record has a line (errors included), 130/143 after
 Ctrl-C / SIGTERM (rerun to resume), 2 for a bad input, schema or flag.
+
+A record's images are read as the CLI reads them (any path or URL), but a relative path is relative
+to the input file's directory, so a data set and its pictures move together. A picture that cannot
+be read fails its record only.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from clef_gguf import engine, errors
@@ -20,6 +25,7 @@ from clef_gguf.bulk.output import Output
 from clef_gguf.bulk.progress import Progress
 from clef_gguf.bulk.stopping import Interrupted, Stopper
 from clef_gguf.cli_options import add_model_arguments, load_model
+from clef_gguf.media.sources import MediaPolicy
 
 DEFAULT_LOG_EVERY_S = 10.0
 
@@ -29,9 +35,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("batch")
     g.add_argument("--input", "-i", required=True, metavar="FILE",
                    help="JSONL (one SystemOne request per line, or {\"id\", \"state\"} lines with "
-                        "--questions) or Parquet (.parquet/.pq: a 'state' column and an optional "
-                        "'id' column, with --questions). A record's id is its 'id', else its "
-                        "0-based line/row number; two records with one id are refused (exit 2)")
+                        "--questions) or Parquet (.parquet/.pq: a 'state' column, an optional "
+                        "'id' column and an optional 'images' (list of binary or string) or "
+                        "'image' (binary or string) column, with --questions). A record's id is "
+                        "its 'id', else its 0-based line/row number; two records with one id are "
+                        "refused (exit 2). Images: as in a request (data: URI, base64, a path or "
+                        "a URL); a relative path is relative to the input file's directory; a "
+                        "Parquet binary value is the image file's bytes (PNG, JPEG, GIF, WebP); "
+                        "a null 'image' is no image. A picture that cannot be read fails its "
+                        "record only")
     g.add_argument("--output", "-o", required=True, metavar="FILE",
                    help="where the answers go, one record per input record in input order, in "
                         "the output's format (.parquet/.pq: Parquet, .jsonl/.json/.ndjson: JSONL, "
@@ -93,11 +105,12 @@ def run(args: argparse.Namespace) -> int:
             output.write(record)
             progress.update(record)
 
+    policy = media_policy(source)
     interrupted = None
     with stopper:
         try:
             if todo:
-                _compute(args, pending, write, stopper, progress.ready)
+                _compute(args, pending, write, stopper, progress.ready, policy)
         except Interrupted as exc:
             interrupted = exc
         finally:
@@ -109,7 +122,15 @@ def run(args: argparse.Namespace) -> int:
     return 128 + interrupted.signum if interrupted else 0
 
 
-def _compute(args: argparse.Namespace, pending, write, stopper: Stopper, ready) -> None:
+def media_policy(source: Path) -> MediaPolicy:
+    """Where a record's images may come from: any path or URL, as on the command line, a
+    relative path read from the input file's directory."""
+    return MediaPolicy(local_paths=True, base_dir=source.resolve().parent, url_allow=("*",))
+
+
+def _compute(args: argparse.Namespace, pending: Iterator[records.Record],
+             write: Callable[[dict], None], stopper: Stopper, ready: Callable[[], None],
+             policy: MediaPolicy) -> None:
     if args.engine == "ray":
         from clef_gguf.bulk import ray_engine
 
@@ -121,12 +142,12 @@ def _compute(args: argparse.Namespace, pending, write, stopper: Stopper, ready) 
         ray_engine.run(pending, write, load_kwargs=options.load_kwargs(args, threads),
                        address=args.ray_address, replicas=args.replicas, threads=threads,
                        window=args.window, truncate_state=args.truncate_state,
-                       after_init=after_init)
+                       after_init=after_init, media_policy=policy)
         return
     from clef_gguf.bulk.local import results
 
     with load_model(args) as clef:
         ready()
         for record in results(clef, pending, window=args.window,
-                              truncate_state=args.truncate_state):
+                              truncate_state=args.truncate_state, media_policy=policy):
             write(record)

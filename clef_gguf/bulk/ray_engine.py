@@ -23,6 +23,7 @@ from clef_gguf.bulk import local
 from clef_gguf.bulk.deps import need
 from clef_gguf.cpus import available_cpus
 from clef_gguf.bulk.records import Record
+from clef_gguf.media.sources import MediaPolicy
 
 log = logging.getLogger("clef_gguf.bulk")
 QUIET_LOGGERS = ("ray", "ray.data", "ray.serve")  # their INFO lines would bury the progress
@@ -31,12 +32,14 @@ QUIET_LOGGERS = ("ray", "ray.data", "ray.serve")  # their INFO lines would bury 
 class Decider:
     """A Ray Data callable class: constructed once per actor, called once per batch."""
 
-    def __init__(self, load_kwargs: dict, window: int, truncate_state: bool) -> None:
+    def __init__(self, load_kwargs: dict, window: int, truncate_state: bool,
+                 media_policy: MediaPolicy | None = None) -> None:
         from clef_gguf.runtime import Clef
 
         logging.getLogger("clef_gguf.llama").setLevel(logging.ERROR)
         self.clef = Clef.load(**load_kwargs)
         self.window, self.truncate_state = window, truncate_state
+        self.media_policy = media_policy
 
     def __call__(self, batch: dict) -> dict:
         import numpy as np
@@ -46,15 +49,19 @@ class Decider:
                    for i, rid, req, err in zip(batch["index"], batch["id"], batch["request"],
                                                batch["error"])]
         out = [json.dumps(r) for r in local.results(self.clef, records, window=self.window,
-                                                    truncate_state=self.truncate_state)]
+                                                    truncate_state=self.truncate_state,
+                                                    media_policy=self.media_policy)]
         return {"index": batch["index"], "record": np.array(out, dtype=object)}
 
 
 def run(records: Iterable[Record], write: Callable[[dict], None], *, load_kwargs: dict,
         address: str | None, replicas: int, threads: int, window: int,
-        truncate_state: bool, after_init: Callable[[], None] = lambda: None) -> None:
+        truncate_state: bool, after_init: Callable[[], None] = lambda: None,
+        media_policy: MediaPolicy | None = None) -> None:
     """Answer ``records`` on Ray and ``write`` each output record in input order.
-    ``after_init`` runs once Ray is up (it takes SIGTERM over: the job puts its handler back)."""
+    ``after_init`` runs once Ray is up (it takes SIGTERM over: the job puts its handler back).
+    ``media_policy`` goes to every actor: a local image path in a record is read there (on a
+    cluster, from a directory every node can read, as for the model)."""
     ray = need("ray", "ray")
     need("ray.data", "ray")
     items = [r.transport() for r in records]
@@ -73,7 +80,8 @@ def run(records: Iterable[Record], write: Callable[[dict], None], *, load_kwargs
         dataset = ray.data.from_items(items, override_num_blocks=math.ceil(len(items) / window))
         answered = dataset.map_batches(
             Decider, fn_constructor_kwargs={"load_kwargs": load_kwargs, "window": window,
-                                            "truncate_state": truncate_state},
+                                            "truncate_state": truncate_state,
+                                            "media_policy": media_policy},
             batch_size=window, batch_format="numpy", num_cpus=threads,
             compute=ray.data.ActorPoolStrategy(size=replicas))
         try:

@@ -2,7 +2,10 @@
 
 JSONL: one JSON object per line, either a whole SystemOne request or ``{"id", "state", ...}``
 completed by the shared ``--questions`` schema (a line's own ``questions`` win). Parquet: a
-``state`` column and an optional ``id`` column; the questions come from ``--questions``.
+``state`` column, an optional ``id`` column and an optional image column, ``images`` (a list per
+row) or ``image`` (one per row, null: none); the questions come from ``--questions``. An image value
+is what a request's ``images`` holds (a data: URI, base64, a path or a URL) or, in a binary column,
+the image file's bytes, sent on as a ``data:`` URI. Videos and ``media_kwargs`` need JSONL.
 
 A record's id is its ``id`` (a non-empty string or a whole number, kept as a string), else its
 0-based line or row number as a string. Blank lines are not records but keep their number, so ids
@@ -12,6 +15,7 @@ carrying its error: the job answers the rest.
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +29,12 @@ from clef_gguf.request import parse_json, parse_request
 PARQUET_SUFFIXES = frozenset({".parquet", ".pq"})
 JSONL_SUFFIXES = frozenset({".jsonl", ".ndjson", ".json"})
 PARQUET_BATCH_ROWS = 1024  # rows decoded at once: bounded memory whatever the file's size
+PARQUET_MEDIA_BATCH_ROWS = 32  # the same with pictures in the rows (a few MB each)
+PARQUET_IMAGE_COLUMNS = ("images", "image")  # a list per row, or one picture per row
+# (offset, leading bytes, media type): the data: URI a binary image value becomes says what it is;
+# anything else goes as image/unknown and the decoder refuses it for that record only.
+IMAGE_SIGNATURES = ((0, b"\x89PNG\r\n\x1a\n", "image/png"), (0, b"\xff\xd8\xff", "image/jpeg"),
+                    (0, b"GIF8", "image/gif"), (8, b"WEBP", "image/webp"))
 
 
 @dataclass(frozen=True)
@@ -149,22 +159,46 @@ def _parquet(path: Path, schema: dict, ids_only: bool) -> Iterator[Record]:
     if "state" not in names:
         raise InvalidInput(f"{path} has no 'state' column (columns: {', '.join(sorted(names))})",
                            field="state")
-    columns = [c for c in ("id", "state") if c in names and not (ids_only and c == "state")]
+    media = [c for c in PARQUET_IMAGE_COLUMNS if c in names]
+    if len(media) > 1:
+        raise InvalidInput(f"{path} has both an 'images' and an 'image' column: keep one",
+                           field="images")
+    columns = [c for c in ("id", "state", *media) if c in names and not (ids_only and c != "id")]
     return _parquet_rows(table, columns, schema)
 
 
-def _parquet_rows(table, columns: list[str], schema: dict) -> Iterator[Record]:
+def _parquet_rows(table: Any, columns: list[str], schema: dict) -> Iterator[Record]:
     index = 0
     if not columns:  # the id scan of a table without ids: row numbers
         for index in range(table.metadata.num_rows):
             yield Record(index, str(index), None)
         return
-    for batch in table.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns):
+    rows = PARQUET_MEDIA_BATCH_ROWS if set(columns) & set(PARQUET_IMAGE_COLUMNS) else PARQUET_BATCH_ROWS
+    for batch in table.iter_batches(batch_size=rows, columns=columns):
         for row in batch.to_pylist():
             record_id = _id(row.get("id"), index)
             if isinstance(record_id, errors.ClefError):
                 yield Record(index, str(index), None, record_id.to_dict())
             else:
-                request = {"state": row["state"], "questions": schema} if "state" in row else None
-                yield Record(index, record_id, request)
+                yield Record(index, record_id, _row_request(row, schema) if "state" in row else None)
             index += 1
+
+
+def _row_request(row: dict[str, Any], schema: dict) -> dict[str, Any]:
+    """A Parquet row as a request: its state, the shared questions, and its images."""
+    request: dict[str, Any] = {"state": row["state"], "questions": schema}
+    value = row.get("images", row.get("image"))
+    if "image" in row:
+        value = None if value is None else [value]
+    elif isinstance(value, (bytes, str)):  # an 'images' column of single values
+        value = [value]
+    if value:
+        request["images"] = [image_uri(v) if isinstance(v, bytes) else v for v in value]
+    return request
+
+
+def image_uri(data: bytes) -> str:
+    """An image file's bytes as the ``data:`` URI a request carries."""
+    kind = next((mime for at, lead, mime in IMAGE_SIGNATURES if data[at:at + len(lead)] == lead),
+                "image/unknown")
+    return f"data:{kind};base64," + base64.b64encode(data).decode("ascii")

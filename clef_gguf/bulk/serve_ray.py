@@ -78,9 +78,12 @@ def run(args: argparse.Namespace, app_factory: Callable) -> int:
     ray = need("ray", "ray")
     serve = need("ray.serve", "ray")
     threads = options.per_replica_threads(args.threads, args.replicas)
+    from clef_gguf.media.sources import served_sources  # the serve flags' sources, as without Ray
+
     app_kwargs = {"api_key": args.api_key, "queue_size": args.queue_size,
                   "max_body_bytes": args.max_body_bytes, "max_batch": args.max_batch,
-                  "tokenize_workers": args.tokenize_workers, "ui": not args.no_ui}
+                  "tokenize_workers": args.tokenize_workers, "ui": not args.no_ui,
+                  "media_policy": served_sources(args)}
     address = os.environ.get("RAY_ADDRESS")
     for name in ("ray", "ray.serve"):
         logging.getLogger(name).setLevel(logging.WARNING)

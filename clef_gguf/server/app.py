@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import logging
 import os
 import signal
@@ -32,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from clef_gguf import argtypes
 from clef_gguf.errors import ClefError, MissingField
-from clef_gguf.media.sources import INLINE_ONLY, MediaPolicy
+from clef_gguf.media.sources import INLINE_ONLY, MediaPolicy, served_sources
 from clef_gguf.server import schema
 from clef_gguf.server import ui as page
 from clef_gguf.server.http import RequestContext
@@ -188,12 +187,6 @@ def add_arguments(p: argparse.ArgumentParser, *, page_flag: bool = True) -> None
                    help="with --engine ray-serve: model replicas (default 1)")
 
 
-def media_policy(args: argparse.Namespace) -> MediaPolicy:
-    """The sources ``--media-allow-url`` / ``--media-allow-files`` open beyond inline images."""
-    urls = tuple(getattr(args, "media_allow_url", None) or ())
-    return dataclasses.replace(INLINE_ONLY, url_allow=urls, local_paths=bool(getattr(args, "media_allow_files", False)))
-
-
 def run(args: argparse.Namespace) -> int:
     """Serve until Ctrl-C / SIGTERM (exit 0); a model that fails to load raises its ClefError."""
     import uvicorn
@@ -220,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(lambda: load_model(args), api_key=args.api_key, queue_size=args.queue_size,
                      max_body_bytes=args.max_body_bytes, max_batch=args.max_batch,
                      on_load_error=load_failed, tokenize_workers=args.tokenize_workers,
-                     ui=not args.no_ui, media_policy=media_policy(args))
+                     ui=not args.no_ui, media_policy=served_sources(args))
     config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None,
                             access_log=False,  # our own line per request replaces it
                             timeout_graceful_shutdown=args.drain_timeout)

@@ -101,8 +101,20 @@ class Options(BaseModel):
                                             "ecosystem's count limits")
 
 
-NoMedia = Annotated[list[Any] | None, Field(
-    max_length=0, description="not supported (no vision tower): a non-empty list is refused")]
+class InlineImage(BaseModel):
+    """avrik-sdk's image object: the same bytes as a data: URI."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    data: str = Field(description="the image file's bytes, base64")
+    media_type: str = Field("image/png", description="image/png, image/jpeg, image/gif or image/webp")
+
+
+Images = Annotated[list[str | InlineImage] | None, Field(
+    description="pictures: data: URIs or base64 (a path or URL only where the server was started with "
+                "--media-allow-files / --media-allow-url); refused by a model without a vision tower")]
+Videos = Annotated[list[list[list[str | InlineImage]]] | None, Field(
+    description="videos, each [[frame, ...]] (with media_kwargs.do_sample_frames false)")]
 
 
 class SystemOneRequest(BaseModel):
@@ -115,12 +127,13 @@ class SystemOneRequest(BaseModel):
     state: Any = Field(description="any JSON value; a string is used raw")
     questions: Questions
     options: Options | None = None
-    images: NoMedia = None
-    videos: NoMedia = None
+    images: Images = None
+    videos: Videos = None
     calibration: Any = Field(None, description="a model served without --calibration ignores it (with a "
                                                "warning); with one, the loaded version or nothing, else "
                                                "422 wrong_calibration")
-    media_kwargs: dict[str, Any] | None = Field(None, description="ignored: there is no media")
+    media_kwargs: dict[str, Any] | None = Field(None, description="the processor's size, min_pixels, "
+                                                "max_pixels, do_sample_frames, fps; other keys ignored")
 
 
 # Batch fields passed on as sent, each documented as what it holds: ``clef_gguf.request``
@@ -128,7 +141,7 @@ class SystemOneRequest(BaseModel):
 # fails alone and with the same error as a single request.
 AnyId = Annotated[Any, PlainValidator(_as_is, json_schema_input_type=str)]
 AnyQuestions = Annotated[Any, PlainValidator(_as_is, json_schema_input_type=Questions)]
-AnyMedia = Annotated[Any, PlainValidator(_as_is, json_schema_input_type=NoMedia)]
+AnyMedia = Annotated[Any, PlainValidator(_as_is, json_schema_input_type=Images)]
 AnyOptions = Annotated[Any, PlainValidator(_as_is, json_schema_input_type=Options | None)]
 
 

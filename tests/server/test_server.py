@@ -126,10 +126,11 @@ def test_avrik_parses_our_422(server, questions, code, field):
     assert err.request_id == "bad-1" and not isinstance(err, RateLimited)
 
 
-def test_avrik_media_is_refused_clearly(server):
+def test_avrik_bad_media_is_refused_clearly(server):
+    # "AAAA" is three zero bytes: no picture (images that are pictures: test_server_media.py)
     with Client(server.url) as client, pytest.raises(AvrikError) as info:
         client.decide("look", [noul("Cat?")], images=[{"data": "AAAA", "media_type": "image/png"}])
-    assert (info.value.status, info.value.code, info.value.field) == (422, "unsupported", "images")
+    assert (info.value.status, info.value.code, info.value.field) == (422, "invalid_media", "images.0")
 
 
 def test_avrik_parses_our_429(clef):
@@ -198,8 +199,8 @@ def _err(response: httpx.Response) -> tuple:
     (b'{"state": 1, "questions": {"q": {"type": "score", "criteria": ["only"]}}, '
      b'"options": {"strict": true}}', "too_few_options", "questions.q.criteria"),
     (b'{"state": 1, "state": 2, "questions": {"q": {"type": "noul"}}}', "invalid_json", "state"),
-    (b'{"state": 1, "questions": {"q": {"type": "noul"}}, "videos": [1]}', "unsupported",
-     "videos"),
+    (b'{"state": 1, "questions": {"q": {"type": "noul"}}, "videos": [1]}', "invalid_value",
+     "videos.0"),
     (b'{"state": [' + b"7" * 5000 + b'], "questions": {"q": {"type": "noul"}}}', "invalid_value", "state.0"),
 ])
 def test_422_error_bodies(http, raw, code, field):

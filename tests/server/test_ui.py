@@ -33,6 +33,7 @@ class NoModel:
 
     info = {"name": "no-model"}
     provenance = None
+    models: dict = {}
 
     def prepare(self, *_args, **_kwargs):
         raise AssertionError("the page's routes must not touch the model")

@@ -1,0 +1,95 @@
+"""``VisionTower``: a loaded vision tower, the object the runtime holds to embed images and videos."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from clef_gguf.errors import InferenceError, InvalidSetting
+from clef_gguf.vision import load
+from clef_gguf.vision.model import VisionConfig, VisionModel
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+Source = str | os.PathLike | tuple[str | os.PathLike, str | os.PathLike]
+
+
+class VisionTower:
+    """``embed(pixel_values, grid_thw) -> [tokens, out_hidden_size]`` float32, the embeddings that replace
+    the ``<|image_pad|>``/``<|video_pad|>`` ids, in their order. Owns its module and its thread count."""
+
+    def __init__(self, model: VisionModel, *, source: Path, threads: int | None = None) -> None:
+        self.model, self.source, self.threads = model, source, threads
+
+    @classmethod
+    def load(cls, source: Source, dtype: torch.dtype = torch.float32, threads: int | None = None) -> VisionTower:
+        """``source``: a converted model directory (``vision_config.json`` + ``vision.safetensors``), a Hugging
+        Face release directory (``config.json`` + ``model*.safetensors``; only the vision tensors are read), or
+        the pair (vision config path, vision weights path). ``dtype``: float32 (exact) or bfloat16/float16."""
+        if dtype not in DTYPES:
+            raise InvalidSetting(f"the vision tower runs in float32, bfloat16 or float16, not {dtype}", field="vision")
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise InvalidSetting(f"threads must be a whole number >= 1 (got {threads!r})", field="threads")
+        if isinstance(source, tuple):
+            config, sources = load.file_sources(Path(source[0]), Path(source[1]))
+            where = Path(source[1])
+        else:
+            where = Path(source)
+            config, sources = load.sources(where)
+        model = load.build(config, load.read_tensors(sources, config), dtype)
+        return cls(model, source=where, threads=threads)
+
+    @property
+    def config(self) -> VisionConfig:
+        return self.model.config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.patch_embed.proj.weight.dtype
+
+    def n_tokens(self, grid_thw: torch.Tensor) -> list[int]:
+        """Tokens per image or video: t·h·w / m² (m × m patches merge into one token)."""
+        m2 = self.config.spatial_merge_size ** 2
+        return [t * h * w // m2 for t, h, w in torch.as_tensor(grid_thw).tolist()]
+
+    def check(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> None:
+        """InferenceError when the processor's output does not fit this tower (another patch size or merge)."""
+        c = self.config
+        if grid_thw.ndim != 2 or grid_thw.shape[1] != 3 or grid_thw.shape[0] == 0 \
+                or grid_thw.dtype.is_floating_point or bool((grid_thw < 1).any()):
+            raise InferenceError(f"grid_thw must be [n >= 1, 3] positive integers, got {list(grid_thw.shape)} "
+                                 f"{grid_thw.dtype}", field="vision")
+        if bool((grid_thw[:, 1:] % c.spatial_merge_size).any()):
+            raise InferenceError(f"grid heights and widths must be multiples of the merge size "
+                                 f"{c.spatial_merge_size}: {grid_thw.tolist()}", field="vision")
+        patches = int(grid_thw.prod(dim=1).sum())
+        if tuple(pixel_values.shape) != (patches, c.patch_dim) or not pixel_values.dtype.is_floating_point:
+            raise InferenceError(f"pixel_values must be float [{patches}, {c.patch_dim}] for grids "
+                                 f"{grid_thw.tolist()}, got {pixel_values.dtype} {list(pixel_values.shape)}",
+                                 field="vision")
+
+    @contextlib.contextmanager
+    def _threads(self) -> Iterator[None]:
+        before = torch.get_num_threads()
+        if self.threads and self.threads != before:
+            torch.set_num_threads(self.threads)
+        try:
+            yield
+        finally:
+            if torch.get_num_threads() != before:
+                torch.set_num_threads(before)
+
+    def embed(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """The processor's ``pixel_values`` [patches, C·T·P·P] and ``grid_thw`` [n, 3] -> float32
+        [sum of n_tokens, out_hidden_size]."""
+        pixel_values, grid_thw = torch.as_tensor(pixel_values), torch.as_tensor(grid_thw)
+        self.check(pixel_values, grid_thw)
+        with torch.inference_mode(), self._threads():
+            return self.model(pixel_values, grid_thw).float()
+
+    def split(self, embeddings: torch.Tensor, grid_thw: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``embed``'s output cut into one tensor per image or video."""
+        return embeddings.split(self.n_tokens(grid_thw))

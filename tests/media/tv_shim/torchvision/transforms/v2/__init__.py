@@ -1,0 +1,5 @@
+"""``torchvision.transforms.v2``."""
+
+from . import functional
+
+__all__ = ["functional"]
