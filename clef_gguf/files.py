@@ -32,6 +32,12 @@ ROLES = ("tower", "head_weights", "head_config", "tokenizer")
 # PyTorch (``tower`` is then the checkpoint's config.json; its safetensors lie beside it).
 BACKENDS = ("gguf", "nvfp4")
 CHECKPOINT_CONFIG = "config.json"
+# A model's vision tower: the release's ``vision_config`` (verbatim) and its vision tensors (prefix
+# stripped, as stored), beside the tower (``convert``) or in their own directory (a catalog pull).
+VISION_WEIGHTS = "vision.safetensors"
+VISION_CONFIG = "vision_config.json"
+# Where a release keeps its vision tensors (Qwen3.5: model.visual.; older Qwen-VL exports: visual.).
+VISION_PREFIXES = ("model.visual.", "visual.")
 
 
 @dataclass
@@ -51,6 +57,9 @@ class ModelFiles:
     # A merged fine-tune's provenance (its CLEF_FINETUNE.json, kept in the manifest as "finetune"):
     # the audit names it. None for a release that is not a fine-tune.
     fine_tune: dict | None = None
+    # The directory holding the vision tower's files (VISION_CONFIG, VISION_WEIGHTS, processor settings),
+    # or None: a GGUF model then looks beside its tower.
+    vision: Path | None = None
 
     def remember(self, path: Path, sha: str, size: int, as_of_ns: int) -> None:
         self.sha256[path.name] = sha
@@ -121,34 +130,40 @@ def _file_entry(entry: object) -> bool:
             and type(entry.get("size")) is int and entry["size"] >= 0)
 
 
-def read_manifest(directory: Path) -> dict:
-    """The manifest, checked: a malformed one is a CorruptModel (field "manifest"), and so is a
-    file name reaching outside the directory (a copied or downloaded manifest could point at
-    any file on the machine)."""
-    path = directory / MANIFEST
+def checked_manifest(path: Path, fmt: str, roles: tuple[str, ...], field: str) -> dict:
+    """The JSON manifest at ``path``, checked: an object of format ``fmt`` naming each of ``roles``'
+    files, a well-formed "files" table, no file name reaching outside its directory (a copied or
+    downloaded manifest could point at any file on the machine). CorruptModel (``field``) if not."""
 
     def bad(why: str) -> CorruptModel:
-        return CorruptModel(f"{path} {why}", field="manifest")
+        return CorruptModel(f"{path} {why}", field=field)
 
     try:
         manifest = json.loads(path.read_bytes().decode("utf-8"))
     except (OSError, ValueError, RecursionError) as exc:  # ValueError: not JSON, or not UTF-8
         raise bad(f"is not valid JSON: {exc}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
-        raise bad(f"is not a {MANIFEST_FORMAT} manifest")
-    missing = [role for role in ROLES if not isinstance(manifest.get(role), str)]
+    if not isinstance(manifest, dict) or manifest.get("format") != fmt:
+        raise bad(f"is not a {fmt} manifest")
+    missing = [role for role in roles if not isinstance(manifest.get(role), str)]
     if missing:
         raise bad(f"does not name the {', '.join(missing)} file(s)")
     listed = manifest.get("files", {})
     if not isinstance(listed, dict) or not all(map(_file_entry, listed.values())):
         raise bad('has a "files" table that is not {name: {"sha256": hex digest, "size": bytes}}')
-    outside = [name for name in [manifest[role] for role in ROLES] + list(listed)
+    outside = [name for name in [manifest[role] for role in roles] + list(listed)
                if not _inside(name)]
     if outside:
         raise bad(f"names files outside its directory: {', '.join(map(repr, outside[:3]))}")
+    return manifest
+
+
+def read_manifest(directory: Path) -> dict:
+    """A model directory's manifest, checked (``checked_manifest``, field "manifest")."""
+    path = directory / MANIFEST
+    manifest = checked_manifest(path, MANIFEST_FORMAT, ROLES, "manifest")
     if not isinstance(manifest.get("name", ""), str) \
             or not isinstance(manifest.get("revision"), (str, type(None))):
-        raise bad("has a name or revision that is not text")
+        raise CorruptModel(f"{path} has a name or revision that is not text", field="manifest")
     return manifest
 
 
@@ -209,6 +224,8 @@ def from_directory(directory: Path, backend: str | None = None) -> ModelFiles:
         files = ModelFiles(tower=ggufs[0], head_weights=directory / HEAD_WEIGHTS,
                            head_config=directory / HEAD_CONFIG, tokenizer=directory / TOKENIZER,
                            name=directory.name)
+    if (directory / VISION_CONFIG).is_file():
+        files.vision = directory
     files.check_exist()
     return files
 

@@ -17,12 +17,11 @@ runtime reads this without the converter's dependencies.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from clef_gguf.errors import CorruptModel, ModelNotFound
-from clef_gguf.files import HEAD_CONFIG, HEAD_WEIGHTS, _file_entry, _inside
+from clef_gguf.files import HEAD_CONFIG, HEAD_WEIGHTS, checked_manifest
 
 ADAPTER_MANIFEST = "clef-gguf-adapter.json"
 ADAPTER_FORMAT = "clef-gguf-adapter/1"
@@ -63,22 +62,10 @@ def read_adapter_manifest(directory: str | Path) -> dict:
     def bad(why: str) -> CorruptModel:
         return CorruptModel(f"{path} {why}", field="adapter")
 
-    try:
-        manifest = json.loads(path.read_bytes().decode("utf-8"))
-    except (OSError, ValueError, RecursionError) as exc:
-        raise bad(f"is not valid JSON: {exc}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != ADAPTER_FORMAT:
-        raise bad(f"is not a {ADAPTER_FORMAT} manifest")
-    missing = [role for role in ADAPTER_ROLES if not isinstance(manifest.get(role), str)]
-    if missing:
-        raise bad(f"does not name the {', '.join(missing)} file(s)")
+    manifest = checked_manifest(path, ADAPTER_FORMAT, ADAPTER_ROLES, "adapter")
     listed = manifest.get("files")
-    if not isinstance(listed, dict) or not all(map(_file_entry, listed.values())):
-        raise bad('has a "files" table that is not {name: {"sha256": hex digest, "size": bytes}}')
-    outside = [name for name in [manifest[role] for role in ADAPTER_ROLES] + list(listed)
-               if not _inside(name)]
-    if outside:
-        raise bad(f"names files outside its directory: {', '.join(map(repr, outside[:3]))}")
+    if not isinstance(listed, dict):
+        raise bad('has no "files" table')
     if not isinstance(manifest.get("name"), str):
         raise bad("has a name that is not text")
     if not _typed(manifest.get("base"), BASE_KEYS):

@@ -19,22 +19,7 @@ from server_helpers import (raw_post, same, DEADLINE_S, QUESTIONS, Gated, Thread
                             wait_for)
 
 
-@pytest.fixture(scope="module")
-def clef(tiny_model_dir):
-    with Clef.load(tiny_model_dir, max_length=2048, threads=2) as model:
-        yield model
-
-
-@pytest.fixture(scope="module")
-def server(clef):
-    with ThreadServer(clef, max_batch=8) as srv:
-        yield srv
-
-
-@pytest.fixture()
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=DEADLINE_S) as client:
-        yield client
+# clef, server, http: tests/server/conftest.py
 
 
 def expected(clef, body: dict) -> dict:

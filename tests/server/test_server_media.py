@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import pytest
 from avrik_sdk import Client, noul
 from avrik_sdk.client import decide_body
 from avrik_sdk.questions import image
@@ -30,22 +29,7 @@ from media_helpers import data_uri, encode, exif_rotated_jpeg, picture, png_uri 
 PNG = encode(picture(40, 24, 3))
 
 
-@pytest.fixture(scope="module")
-def clef(tiny_model_dir):
-    with Clef.load(tiny_model_dir, max_length=2048, threads=2) as model:
-        yield model
-
-
-@pytest.fixture(scope="module")
-def server(clef):
-    with ThreadServer(clef, max_batch=8) as srv:
-        yield srv
-
-
-@pytest.fixture()
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=DEADLINE_S) as client:
-        yield client
+# clef, server, http: tests/server/conftest.py
 
 
 @contextlib.contextmanager
