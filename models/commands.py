@@ -69,11 +69,14 @@ def run_pull(args: argparse.Namespace) -> int:
         print(f"re-pinned {src.repo}: {before['commit']} -> {after['commit']}", file=sys.stderr)
     if args.json:
         print(json.dumps({"name": files.name, "revision": files.revision, "backend": files.backend,
-                          "sha256": files.sha256, **{k: str(v) for k, v in files.paths().items()}}, indent=2))
+                          "sha256": files.sha256, **{k: str(v) for k, v in files.paths().items()},
+                          "vision": str(files.vision) if files.vision else None}, indent=2))
     else:
         print(f"{files.name}  ({files.revision})" + ("" if files.backend == "gguf" else f"  backend {files.backend}"))
         for role, path in files.paths().items():
             print(f"  {role:<13} {path}")
+        if files.vision is not None:  # the release's vision tower and processor settings
+            print(f"  {'vision':<13} {files.vision}")
     return 0
 
 

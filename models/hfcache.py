@@ -60,13 +60,18 @@ def repo_dir(repo: str) -> Path:
 
 
 def clef_home() -> Path:
-    """clef-gguf's own state beside the HF cache: verification stamps, pins, split models."""
+    """clef-gguf's own state beside the HF cache: verification stamps, pins, split models, vision parts."""
     return hf_home() / "clef-gguf"
 
 
 def split_dir(repo: str, commit: str, quant: str) -> Path:
     """Where a native clef-arch GGUF of ``repo`` at ``commit`` is split into a model directory."""
     return clef_home() / "split" / f"{repo.replace('/', '--')}@{commit}" / quant
+
+
+def vision_dir(repo: str, commit: str) -> Path:
+    """Where the vision part of the release ``repo`` at ``commit`` is written by a pull."""
+    return clef_home() / "vision" / f"{repo.replace('/', '--')}@{commit}"
 
 
 def _stamps_path() -> Path:
@@ -137,6 +142,11 @@ def verify(path: Path, expected: str | None, label: str) -> str:
     if not known or (want and not known.get("checked")):
         _write_stamp(blob, actual, checked=want is not None)
     return actual
+
+
+def record_verified(path: Path, sha: str) -> None:
+    """Stamp a file whose sha256 was computed as it was written: the next ``verify`` reads no byte of it."""
+    _write_stamp(path.resolve(), sha, checked=True)
 
 
 def _drop_stamp(blob: Path) -> None:

@@ -1,9 +1,9 @@
 """Get catalog models into the Hugging Face cache: ``pull``, ``pull_file`` and ``resolve``.
 
-A name (``FAMILY[:QUANT][@SOURCE]``) becomes verified files: a GGUF tower plus the head, head config
-and tokenizer of the family's release, each fetched at its pinned revision (``download``); a native
-clef-arch GGUF split on download into a model directory (``native``); or an NVFP4 checkpoint
-repository as one snapshot directory (``checkpoint``). ``auto`` asks the placement policy, and
+A name (``FAMILY[:QUANT][@SOURCE]``) becomes verified files: a GGUF tower plus the head, head config,
+tokenizer and vision part (``vision``) of the family's release, each fetched at its pinned revision
+(``download``); a native clef-arch GGUF split on download into a model directory (``native``); or an
+NVFP4 checkpoint repository as one snapshot directory (``checkpoint``). ``auto`` asks the placement policy, and
 ``resolve`` prefers what is already cached (``listing``).
 """
 
@@ -22,6 +22,7 @@ from clef_gguf.models.listing import list_local
 from clef_gguf.models.machine import DeviceProfile, probe
 from clef_gguf.models.native import materialize_native
 from clef_gguf.models.placement import DEFAULT_CONTEXT, Recommendation, recommend
+from clef_gguf.models.vision import vision_part
 
 
 def pull_file(name: str, *, allow_download: bool = True, progress: bool = True, quant: str | None = None,
@@ -57,11 +58,14 @@ def _materialize(ref: ModelRef, family: Family, *, local_only: bool, progress: b
     shas: dict[str, str] = {}
     for key in HEAD_KEYS:  # the small files first: auth or network problems show before a 6 GB transfer
         paths[key], shas[key] = fetch(head, key, **how)
+    # The release's vision tower (the GGUF repos have none), at the head files' commit.
+    vision = vision_part(head, commit_of(paths["head_weights"]) or head.revision, local_only=local_only,
+                         progress=progress)
     tower, tower_sha = fetch(src, ref.quant, **how)
     revision = (f"{src.repo}@{commit_of(tower) or src.revision}; "
                 f"{head.repo}@{commit_of(paths['head_weights']) or head.revision}")
     found = ModelFiles(tower=tower, head_weights=paths["head_weights"], head_config=paths["head_config"],
-                       tokenizer=paths["tokenizer"], name=name, revision=revision)
+                       tokenizer=paths["tokenizer"], name=name, revision=revision, vision=vision)
     for path, sha in [*((paths[k], shas[k]) for k in HEAD_KEYS), (tower, tower_sha)]:
         st = path.stat()  # just verified: valid while the blob stays as it is now
         found.remember(path, sha, st.st_size, st.st_mtime_ns)

@@ -39,19 +39,21 @@ class MediaSupport:
 
     @classmethod
     def of(cls, found: ModelFiles, backend: str, *, threads: int | None = None) -> MediaSupport:
-        """The media support of a model directory: a vision tower (``vision_config.json`` +
-        ``vision.safetensors``, written by ``convert`` from the release) and processor settings."""
-        from clef_gguf.vision.load import VISION_CONFIG
+        """The media support of a model: a vision tower (``vision_config.json`` + ``vision.safetensors``,
+        written by ``convert`` beside the tower or by ``pull`` into ``found.vision``) and processor settings."""
+        from clef_gguf.files import VISION_CONFIG
 
-        directory = found.tower.parent
         if backend == "nvfp4":  # a checkpoint keeps the release's vision tensors as stored
             from clef_gguf.vision.load import release_config
 
+            directory = found.tower.parent
             if release_config(directory) is None:
                 return cls.none(f"{directory / 'config.json'} has no vision_config")
-        elif not (directory / VISION_CONFIG).is_file():
-            return cls.none(f"{directory} has no vision tower ({VISION_CONFIG}); convert the release "
-                            "again with this version")
+        else:
+            directory = found.vision or found.tower.parent
+            if not (directory / VISION_CONFIG).is_file():
+                return cls.none(f"{directory} has no vision tower ({VISION_CONFIG}); convert the release "
+                                "again, or pull the model again, with this version")
         processor = load_processor_config(directory)
         if processor is None:
             return cls.none(f"{directory} has no processor settings (preprocessor_config.json)")

@@ -18,15 +18,13 @@ import torch
 from safetensors import safe_open
 
 from clef_gguf.errors import CorruptModel, ModelNotFound
+from clef_gguf.files import VISION_CONFIG, VISION_WEIGHTS
+from clef_gguf.files import VISION_PREFIXES as PREFIXES
 from clef_gguf.vision.model import ACTIVATIONS, VisionConfig, VisionModel, rope_inv_freq
 
-VISION_WEIGHTS = "vision.safetensors"
-VISION_CONFIG = "vision_config.json"
 FIELD = "vision"
 RELEASE_CONFIG = "config.json"
 RELEASE_INDEX = "model.safetensors.index.json"
-# Where a release keeps its vision tensors (Qwen3.5: model.visual.; older Qwen-VL exports: visual.).
-PREFIXES = ("model.visual.", "visual.")
 SIZE_KEYS = ("depth", "hidden_size", "intermediate_size", "num_heads", "patch_size", "temporal_patch_size",
              "spatial_merge_size", "in_channels", "num_position_embeddings", "out_hidden_size")
 # Far above any release tower (the 9B: 27 blocks, 1152 wide, 2304 positions).

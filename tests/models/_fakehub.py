@@ -2,7 +2,8 @@
 
 Implements (as huggingface_hub's file_download.py / hf_api.py expect them):
   HEAD/GET /{owner}/{name}/resolve/{revision}/{path}  -> X-Repo-Commit, ETag, X-Linked-Etag (LFS sha256),
-      X-Linked-Size, Content-Length; GET honours ``Range: bytes=N-`` (206 + Content-Range)
+      X-Linked-Size, Content-Length; GET honours ``Range: bytes=N-`` and ``bytes=N-M`` (206 +
+      Content-Range), and counts the bytes it sends of each file (``served``)
   GET /api/models/{owner}/{name}/tree/{revision}      -> the file listing (with ``lfs.oid`` = sha256)
   404s carry X-Error-Code (RepoNotFound / RevisionNotFound / EntryNotFound) like the Hub.
 A file can be served corrupted (different bytes than its advertised sha256) to test verification.
@@ -39,6 +40,7 @@ class FakeHub:
     def __init__(self) -> None:
         self.repos: dict[str, FakeRepo] = {}
         self.requests: list[tuple[str, str]] = []
+        self.served: dict[str, int] = {}  # file path in its repo -> bytes of it sent (GET bodies)
         self.fail_all = False  # answer 503 to everything, like an outage
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -143,15 +145,20 @@ class FakeHub:
                            "Content-Type": "application/octet-stream"}
                 if lfs:
                     headers.update({"X-Linked-Etag": f'"{etag}"', "X-Linked-Size": str(len(real))})
-                start = 0
+                start, end = 0, len(sent) - 1
                 rng = self.headers.get("Range")
                 if rng and rng.startswith("bytes=") and body:
-                    start = int(rng[6:].split("-")[0] or 0)
-                payload = sent[start:]
-                if start:
-                    headers["Content-Range"] = f"bytes {start}-{len(sent) - 1}/{len(sent)}"
+                    first, _, last = rng[6:].partition("-")
+                    start = int(first or 0)
+                    end = min(int(last), end) if last else end
+                ranged = start > 0 or end < len(sent) - 1
+                payload = sent[start:end + 1]
+                if ranged:
+                    headers["Content-Range"] = f"bytes {start}-{end}/{len(sent)}"
                 headers["Content-Length"] = str(len(payload))
-                if body and not start and path in r.drop_once:
+                if body:
+                    hub.served[path] = hub.served.get(path, 0) + len(payload)
+                if body and not ranged and path in r.drop_once:
                     r.drop_once.discard(path)
                     self.send_response(200)
                     for k, v in headers.items():
@@ -161,7 +168,7 @@ class FakeHub:
                     self.wfile.flush()
                     self.close_connection = True  # the client sees a short body: a dropped connection
                     return
-                self._send(206 if start else 200, headers, payload, body)
+                self._send(206 if ranged else 200, headers, payload, body)
 
         return Handler
 
