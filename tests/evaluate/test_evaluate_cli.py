@@ -158,3 +158,21 @@ def test_refusals(tiny_model_dir_factory, data, tmp_path, capsys, monkeypatch):
     with pytest.raises(SystemExit) as exc:
         main(["eval", "--help"])
     assert exc.value.code == 0
+
+
+def test_a_fine_tune_is_evaluated_with_its_adapter_and_head(tiny_model_dir, tiny_fine_tunes, data, tmp_path,
+                                                            capsys):
+    """``eval --adapter DIR``: the fine-tune's probabilities and its own model hash, not the base's."""
+    from clef_gguf.runtime import Clef
+
+    out = tmp_path / "eval-a"
+    assert main(["eval", "-m", str(tiny_model_dir), "--adapter", str(tiny_fine_tunes["a"]), "-d", str(data),
+                 "-o", str(out), "--threads", "1", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    rows = read_jsonl(out / "predictions.jsonl")
+    request = {k: v for k, v in read_jsonl(data)[2].items() if k not in ("id", "labels")}
+    with Clef.load(tiny_model_dir, adapters=tiny_fine_tunes["a"], threads=1) as tune:
+        probs = tune.probabilities(request)
+        assert summary["models"][0]["info"]["model_hash"] == tune.provenance.model_hash
+    mine = [r for r in rows if r["record_id"] == read_jsonl(data)[2]["id"]]
+    assert [r["probs"] for r in mine] == [p.tolist() for p in probs]
