@@ -309,30 +309,26 @@ class Clef:
         answers are the same either way. A packed request's ``tower`` time is its share of the
         packed decode."""
         check_pack(pack)
-        if pack == 1 or len(prepared) < 2 or any(p.encoded.media is not None for p in prepared):
-            # Media prompts decode one at a time (their embeddings and positions are their own).
-            if pack == 1 or len(prepared) < 2 or all(p.encoded.media is not None for p in prepared):
-                return [self._run_or_error(p) for p in prepared]
-            text = [i for i, p in enumerate(prepared) if p.encoded.media is None]
-            out_all: list[tuple[dict, dict[str, float]] | errors.ClefError | None] = [None] * len(prepared)
-            for i, result in zip(text, self.run_many([prepared[i] for i in text], pack=pack)):
-                out_all[i] = result
-            for i, p in enumerate(prepared):
-                if out_all[i] is None:
-                    out_all[i] = self._run_or_error(p)
-            return [r for r in out_all if r is not None]
-        by_model: dict[str, list[int]] = {}
+        Result = tuple[dict, dict[str, float]] | errors.ClefError  # noqa: N806
+        out: list[Result | None] = [None] * len(prepared)
+        # One decode applies one adapter, and a media prompt decodes alone (its embeddings and
+        # positions are its own): each model's text prompts together, the others one at a time.
+        groups: dict[str, list[int]] = {}
         for i, p in enumerate(prepared):
-            by_model.setdefault(self.answering(p).provenance.model_name, []).append(i)
-        if len(by_model) > 1:  # one decode applies one adapter: each model's requests together
-            out: list[tuple[dict, dict[str, float]] | errors.ClefError | None] = [None] * len(prepared)
-            for name, where in by_model.items():
-                for i, result in zip(where, self.models[name].run_many([prepared[i] for i in where], pack=pack)):
-                    out[i] = result
-            return [r for r in out if r is not None]
-        model = self.answering(prepared[0])
-        if model is not self:
-            return model.run_many(prepared, pack=pack)
+            if pack == 1 or p.encoded.media is not None:
+                out[i] = self._run_or_error(p)
+            else:
+                groups.setdefault(self.answering(p).provenance.model_name, []).append(i)
+        for name, where in groups.items():
+            for i, result in zip(where, self.models[name]._run_packed([prepared[i] for i in where], pack)):
+                out[i] = result
+        return [r for r in out if r is not None]
+
+    def _run_packed(self, prepared: list[Prepared], pack: int | None
+                    ) -> list[tuple[dict, dict[str, float]] | errors.ClefError]:
+        """``run_many`` of text prompts all for this model: decoded together where the tower packs."""
+        if len(prepared) < 2:
+            return [self._run_or_error(p) for p in prepared]
         t0 = time.perf_counter()
         towers = self.tower.forward_many([(p.encoded.ids, p.encoded.prefix_tokens, p.encoded.state_tokens)
                                           for p in prepared], self.state_cache, pack=pack)
