@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 # 3 warn, 4 error, 5 continues the previous line. Info is chatty (every load prints ~100 lines), so
 # it goes to DEBUG.
 _LEVELS = {1: logging.DEBUG, 2: logging.DEBUG, 3: logging.WARNING, 4: logging.ERROR}
+# Warnings about what we do on purpose, logged at DEBUG: media prompts jump M-RoPE positions past
+# an image's extent (the reference's get_rope_index), which llama.cpp's KV cache remarks on.
+EXPECTED_WARNINGS = ("non-consecutive token position",)
 # Per thread: .lines, the list the running call collects into; .level, the last line's level.
 _capture = threading.local()
 _init_lock = threading.Lock()
@@ -54,7 +57,8 @@ def _on_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
     lines = getattr(_capture, "lines", None)
     if lines is not None:
         lines.append((level, line))
-    log.log(_LEVELS.get(level, logging.DEBUG), "%s", line.rstrip())
+    expected = any(part in line for part in EXPECTED_WARNINGS)
+    log.log(logging.DEBUG if expected else _LEVELS.get(level, logging.DEBUG), "%s", line.rstrip())
 
 
 def ensure_backend() -> None:
