@@ -197,6 +197,30 @@ def head_source(repo: str, revision: str, head: dict[str, bytes]) -> dict:
 
 
 
+def tiny_catalog(head: dict[str, bytes], tower: bytes, head_repo: str, head_rev: str, tower_repo: str,
+                 tower_rev: str) -> dict:
+    """A catalog of one family: the tiny model's head files and its Q8_0-named tower, in two repos."""
+    return {
+        "format": "clef-gguf-catalog/1",
+        "quant_types": {"order": ["Q8_0"], "bpw": {"Q8_0": 8.5}},
+        "families": {"clef-flash": {
+            "architecture": {"hidden_size": 64, "layers": 4, "recurrent_layers": 3, "attention_layers": 1,
+                             "attention_heads": 4, "kv_heads": 2, "head_dim": 16, "vocab_size": 512,
+                             "max_context": 32768},
+            "memory": {"kv_bytes_per_token": 128, "recurrent_bytes_per_sequence": 65536,
+                       "head_bytes": 1 << 20, "lexical_rows_bytes": 1 << 20, "compute_bytes": 1 << 20,
+                       "runtime_bytes": 1 << 20},
+            "size_estimate": {"overhead_bytes": 0, "bytes_per_bpw": 1},
+            "head_source": "head", "tower_sources": ["tower"], "other_sources": []}},
+        "sources": {
+            "head": head_source(head_repo, head_rev, head),
+            "tower": {"family": "clef-flash", "alias": "testsrc", "role": "tower", "repo": tower_repo,
+                      "revision": tower_rev, "files": {"Q8_0": {
+                          "file": "Clef-Tiny-Q8_0.gguf", "size": len(tower), "sha256": sha256(tower)}}},
+        },
+    }
+
+
 def nvfp4_checkpoint(*, shards: int = 1, head: dict[str, bytes] | None = None, scheme: str = "W4A16",
                      seed: int = 0) -> dict[str, bytes]:
     """The files of a tiny placeholder compressed-tensors NVFP4 checkpoint repository (file name ->

@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from _fakehub import FakeHub, head_source, sha256
+from _fakehub import FakeHub, sha256, tiny_catalog
 
 TOWER_REPO, HEAD_REPO = "test-org/clef-flash-GGUF", "test-org/clef-flash"
 TOWER_REV, HEAD_REV = "e" * 40, "f" * 40
@@ -23,25 +23,7 @@ def hub_env(tiny_model_dir, tmp_path):
     server.add(TOWER_REPO, TOWER_REV, {"Clef-Tiny-Q8_0.gguf": tower})
     server.add(HEAD_REPO, HEAD_REV, head)
     server.start()
-    catalog = {
-        "format": "clef-gguf-catalog/1",
-        "quant_types": {"order": ["Q8_0"], "bpw": {"Q8_0": 8.5}},
-        "families": {"clef-flash": {
-            "architecture": {"hidden_size": 64, "layers": 4, "recurrent_layers": 3, "attention_layers": 1,
-                             "attention_heads": 4, "kv_heads": 2, "head_dim": 16, "vocab_size": 512,
-                             "max_context": 32768},
-            "memory": {"kv_bytes_per_token": 128, "recurrent_bytes_per_sequence": 65536,
-                       "head_bytes": 1 << 20, "lexical_rows_bytes": 1 << 20, "compute_bytes": 1 << 20,
-                       "runtime_bytes": 1 << 20},
-            "size_estimate": {"overhead_bytes": 0, "bytes_per_bpw": 1},
-            "head_source": "head", "tower_sources": ["tower"], "other_sources": []}},
-        "sources": {
-            "head": head_source(HEAD_REPO, HEAD_REV, head),
-            "tower": {"family": "clef-flash", "alias": "testsrc", "role": "tower", "repo": TOWER_REPO,
-                      "revision": TOWER_REV, "files": {"Q8_0": {
-                          "file": "Clef-Tiny-Q8_0.gguf", "size": len(tower), "sha256": sha256(tower)}}},
-        },
-    }
+    catalog = tiny_catalog(head, tower, HEAD_REPO, HEAD_REV, TOWER_REPO, TOWER_REV)
     path = tmp_path / "catalog.json"
     path.write_text(json.dumps(catalog))
     env = {"HF_ENDPOINT": server.url, "HF_HOME": str(tmp_path / "hf"), "CLEF_GGUF_CATALOG": str(path)}

@@ -14,7 +14,7 @@ import PIL.Image
 import pytest
 from safetensors.torch import load_file
 
-from _fakehub import FakeHub, cli_parsers, head_source, point_at, sha256
+from _fakehub import FakeHub, cli_parsers, point_at, tiny_catalog
 from clef_gguf import Clef
 from clef_gguf.convert.tiny import build_release
 from clef_gguf.errors import CorruptModel, ModelNotFound
@@ -40,25 +40,7 @@ REQUEST = {"state": "Look at the picture.", "images": [png_uri(40, 24, 3)], "que
 
 
 def catalog(head: dict[str, bytes], tower: bytes) -> dict:
-    return {
-        "format": "clef-gguf-catalog/1",
-        "quant_types": {"order": ["Q8_0"], "bpw": {"Q8_0": 8.5}},
-        "families": {"clef-flash": {
-            "architecture": {"hidden_size": 64, "layers": 4, "recurrent_layers": 3, "attention_layers": 1,
-                             "attention_heads": 4, "kv_heads": 2, "head_dim": 16, "vocab_size": 512,
-                             "max_context": 32768},
-            "memory": {"kv_bytes_per_token": 128, "recurrent_bytes_per_sequence": 65536,
-                       "head_bytes": 1 << 20, "lexical_rows_bytes": 1 << 20, "compute_bytes": 1 << 20,
-                       "runtime_bytes": 1 << 20},
-            "size_estimate": {"overhead_bytes": 0, "bytes_per_bpw": 1},
-            "head_source": "head", "tower_sources": ["tower"], "other_sources": []}},
-        "sources": {
-            "head": head_source(HEAD_REPO, HEAD_REV, head),
-            "tower": {"family": "clef-flash", "alias": "testsrc", "role": "tower", "repo": TOWER_REPO,
-                      "revision": TOWER_REV, "files": {"Q8_0": {
-                          "file": "Clef-Tiny-Q8_0.gguf", "size": len(tower), "sha256": sha256(tower)}}},
-        },
-    }
+    return tiny_catalog(head, tower, HEAD_REPO, HEAD_REV, TOWER_REPO, TOWER_REV)
 
 
 @pytest.fixture
