@@ -21,14 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from clef_gguf.errors import CorruptModel, ModelNotFound
-from clef_gguf.files import HEAD_CONFIG, HEAD_WEIGHTS, checked_manifest
+from clef_gguf.files import checked_manifest
 
 ADAPTER_MANIFEST = "clef-gguf-adapter.json"
 ADAPTER_FORMAT = "clef-gguf-adapter/1"
 ADAPTER_ROLES = ("adapter", "head_weights", "head_config")
-# The fine-tune's own head and the base's config, under the names a model directory uses.
-ADAPTER_HEAD_WEIGHTS = HEAD_WEIGHTS
-ADAPTER_HEAD_CONFIG = HEAD_CONFIG
 # Keys of "base" and "lora" with the JSON types they must have (bool is refused where int is asked).
 BASE_KEYS: dict[str, type | tuple[type, ...]] = {
     "name": str, "tower": str, "tower_sha256": str, "architecture": str,

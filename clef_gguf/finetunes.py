@@ -37,24 +37,22 @@ Adapters = Union[str, Path, Mapping[str, Union[str, Path]]]
 ADAPTER_GGUF_KEYS = {"general.type": "adapter", "adapter.type": "lora", "general.architecture": TOWER_ARCH}
 
 
-def named(adapters: Adapters | None) -> tuple[dict[str, Path], bool]:
-    """``({name: directory}, whether the one fine-tune answers by default)``. A bare directory is
+def named(adapters: Adapters | None) -> tuple[dict[str, AdapterFiles], bool]:
+    """``({name: its files}, whether the one fine-tune answers by default)``. A bare directory is
     named by its manifest and answers by default; a mapping keeps the base as the default."""
     if adapters is None:
         return {}, False
     if isinstance(adapters, (str, Path)):
-        one = Path(adapters)
-        return {AdapterFiles.from_directory(one).name: one}, True
+        one = AdapterFiles.from_directory(adapters)
+        return {one.name: one}, True
     if not isinstance(adapters, Mapping):
         raise errors.InvalidSetting("adapters must be a fine-tune directory or a mapping of names to "
                                     f"directories (got {type(adapters).__name__})", field="adapters")
-    out: dict[str, Path] = {}
-    for name, directory in adapters.items():
+    for name in adapters:
         if not isinstance(name, str) or not name.strip() or "=" in name:
             raise errors.InvalidSetting(f"a fine-tune's name must be a non-empty string without '=' "
                                         f"(got {name!r})", field="adapters")
-        out[name] = Path(directory)
-    return out, False
+    return {name: AdapterFiles.from_directory(directory) for name, directory in adapters.items()}, False
 
 
 def parse_flags(values: list[str] | None) -> Adapters | None:
@@ -118,13 +116,12 @@ def _check_adapter_file(path: Path, name: str) -> None:
 
 
 def load(tower: LanguageTower, base: answer.Provenance, hidden_size: int, head_dtype: torch.dtype,
-         name: str, directory: Path, *, scale: float = 1.0) -> FineTune:
-    """The fine-tune at ``directory`` on the loaded base ``tower``: refused before anything runs
-    when it does not fit it (another architecture or size, a head of another width)."""
+         name: str, found: AdapterFiles, *, scale: float = 1.0) -> FineTune:
+    """The fine-tune ``found`` on the loaded base ``tower``: refused before anything runs when it
+    does not fit it (another architecture or size, a head of another width)."""
     from clef_gguf.heads import load_head
     from clef_gguf.tower import Tower
 
-    found = AdapterFiles.from_directory(directory)
     if not isinstance(tower, Tower):
         raise errors.InvalidSetting(f"fine-tune {name!r}: LoRA adapters run on the gguf backend "
                                     f"(llama.cpp), not on {base.backend}", field="adapter")

@@ -197,12 +197,12 @@ class Clef:
     def _attach(self, adapters: finetunes.Adapters | None) -> Clef:
         """Load ``adapters`` beside this base; the model that answers by default."""
         names, fine_default = finetunes.named(adapters)
-        for name, directory in names.items():
+        for name, found in names.items():
             if name in self.models:
                 raise errors.InvalidSetting(f"the fine-tune name {name!r} is already the base's "
                                             "name: give it another", field="adapters")
             tune = finetunes.load(self.tower, self.provenance, self.lexical.hidden_size, self.head_dtype,
-                                  name, directory)
+                                  name, found)
             model = type(self)(self.files, tune.tower, self.lexical, tune.head, self.encoder,
                                tune.provenance, self.info | tune.info, strict=self.strict,
                                state_cache=self.state_cache)

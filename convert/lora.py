@@ -35,8 +35,7 @@ from clef_gguf import files
 from clef_gguf.convert import tensor_map as tm
 from clef_gguf.convert.hf_to_gguf import ARCH, SUPPORTED, read_json, stream_gguf
 from clef_gguf.errors import AdapterMismatch, ConversionError, CorruptModel, ModelNotFound
-from clef_gguf.finetune_files import (ADAPTER_FORMAT, ADAPTER_HEAD_CONFIG, ADAPTER_HEAD_WEIGHTS,
-                                      ADAPTER_MANIFEST, adapter_file_name)
+from clef_gguf.finetune_files import ADAPTER_FORMAT, ADAPTER_MANIFEST, adapter_file_name
 from clef_gguf.heads.load import load_head
 from clef_gguf.lexical import open_gguf
 
@@ -112,7 +111,7 @@ def locate_checkpoint(checkpoint: Path, head: Path | None) -> Checkpoint:
         if not (adapter_dir / fname).is_file():
             raise ModelNotFound(f"no {fname} in {adapter_dir}: not a PEFT adapter (a clef-finetune "
                                 f"checkpoint holds it in {CHECKPOINT_ADAPTER_DIR}/)", field="adapter")
-    head = head if head is not None else checkpoint / ADAPTER_HEAD_WEIGHTS
+    head = head if head is not None else checkpoint / files.HEAD_WEIGHTS
     if not head.is_file():
         raise ModelNotFound(f"head weights not found: {head} (a bare PEFT adapter needs --head FILE)",
                             field="head")
@@ -362,13 +361,13 @@ def convert_adapter(checkpoint: str | Path, out: str | Path, *, base: str | Path
         write_adapter_gguf(stage / adapter, weights, targets, based, alpha, name=name, outtype=outtype,
                            skip=_skip_edits)
         state = {k: v.detach().to(torch.float32).contiguous() for k, v in head_module.state_dict().items()}
-        save_file(state, str(stage / ADAPTER_HEAD_WEIGHTS), metadata={"format": "pt"})
-        shutil.copyfile(based.files.head_config, stage / ADAPTER_HEAD_CONFIG)
+        save_file(state, str(stage / files.HEAD_WEIGHTS), metadata={"format": "pt"})
+        shutil.copyfile(based.files.head_config, stage / files.HEAD_CONFIG)
         listed = {f: {"sha256": files.sha256_file(stage / f), "size": (stage / f).stat().st_size}
-                  for f in (adapter, ADAPTER_HEAD_WEIGHTS, ADAPTER_HEAD_CONFIG)}
+                  for f in (adapter, files.HEAD_WEIGHTS, files.HEAD_CONFIG)}
         manifest = {
             "format": ADAPTER_FORMAT, "name": name, "adapter": adapter,
-            "head_weights": ADAPTER_HEAD_WEIGHTS, "head_config": ADAPTER_HEAD_CONFIG,
+            "head_weights": files.HEAD_WEIGHTS, "head_config": files.HEAD_CONFIG,
             "base": based.identity,
             "lora": {"rank": max(t.rank for t in targets), "alpha": alpha, "targets": len(targets),
                      "outtype": outtype},
