@@ -20,7 +20,7 @@ from clef_gguf import Clef
 from clef_gguf.convert.nvfp4 import quantize_release
 from clef_gguf.convert.release import convert_release
 from clef_gguf.convert.tiny import build_release
-from clef_gguf.tools.parity import SAMPLE_REQUESTS
+from clef_gguf.convert.samples import SAMPLE_REQUESTS
 
 
 def main() -> None:

@@ -7,7 +7,7 @@
 
 import logging
 
-from clef_gguf.errors import ClefError
+from clef_gguf.core.errors import ClefError
 
 # A library logs; the application decides where it goes (without this, llama.cpp's warnings would
 # reach stderr through logging's last-resort handler).
@@ -18,9 +18,9 @@ __all__ = ["Clef", "ClefError", "__version__"]
 
 
 def __getattr__(name: str):
-    # Lazy: `import clef_gguf.errors` (or the CLI's --help) should not load torch and llama.cpp.
+    # Lazy: `import clef_gguf.core.errors` (or the CLI's --help) should not load torch and llama.cpp.
     if name == "Clef":
-        from clef_gguf.runtime import Clef
+        from clef_gguf.runtime.model import Clef
 
         return Clef
     raise AttributeError(f"module 'clef_gguf' has no attribute {name!r}")

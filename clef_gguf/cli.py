@@ -14,8 +14,9 @@ import logging
 import os
 import sys
 
-from clef_gguf import __version__, errors
-from clef_gguf.cli_options import add_model_arguments, load_model, read_request
+from clef_gguf import __version__
+from clef_gguf.core import errors
+from clef_gguf.runtime.flags import add_model_arguments, load_model, read_request
 
 # name -> (module, add-arguments function, run function, one-line help)
 COMMANDS = {
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     if not args.verbose:
-        logging.getLogger("clef_gguf.llama").setLevel(logging.ERROR)
+        logging.getLogger("clef_gguf.tower.llama").setLevel(logging.ERROR)
     try:
         return int(args._run(args) or 0)
     except errors.ClefError as exc:

@@ -36,11 +36,11 @@ import gguf
 import numpy as np
 import torch
 
-from clef_gguf import files
+from clef_gguf.formats import files
 from clef_gguf.convert import gguf_vocab, quantize, tiny
 from clef_gguf.convert import tensor_map as tm
 from clef_gguf.convert.hf_to_gguf import SUPPORTED, _add_metadata, stream_gguf, text_dims
-from clef_gguf.errors import ConversionError
+from clef_gguf.core.errors import ConversionError
 
 BIG_PRESETS: dict[str, dict] = {
     # Clef-Flash (Qwen3.5-9B text tower) with the real head; vocab padded past the demo tokenizer.

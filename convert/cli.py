@@ -17,13 +17,14 @@ import sys
 import time
 from pathlib import Path
 
-from clef_gguf.argtypes import positive_int
-from clef_gguf import errors, files
+from clef_gguf.core.argtypes import positive_int
+from clef_gguf.core import errors
+from clef_gguf.formats import files
 from clef_gguf.convert import lora, quantize
 from clef_gguf.convert.finetune_demo import build_finetune_checkpoint
 from clef_gguf.convert.release import convert_release, tower_name
 from clef_gguf.convert.tiny import PRESETS, build_release
-from clef_gguf.finetune_files import adapter_file_name, read_adapter_manifest
+from clef_gguf.formats.finetune_files import adapter_file_name, read_adapter_manifest
 
 RANDOM_WARNING = "RANDOM WEIGHTS - for testing the pipeline only; the answers mean nothing."
 OUTTYPE_HELP = ("f32 (default), f16, bf16, q8_0 (written directly; norms and 1-D tensors stay f32), "

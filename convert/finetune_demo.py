@@ -25,7 +25,7 @@ from clef_gguf.convert import tensor_map as tm
 from clef_gguf.convert.hf_to_gguf import SUPPORTED, load_config, text_dims
 from clef_gguf.convert.lora import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, CHECKPOINT_ADAPTER_DIR, EDIT_SIDE,
                                     PEFT_PREFIX, TRAIN_CONFIG)
-from clef_gguf.files import HEAD_WEIGHTS
+from clef_gguf.formats.files import HEAD_WEIGHTS
 
 B_STD = 0.1
 HEAD_NOISE = 0.05  # relative to each head tensor's mean magnitude

@@ -27,8 +27,8 @@ import json
 import gguf
 import tokenizers
 
-from clef_gguf.errors import ConversionError
-from clef_gguf.lexical import field_value
+from clef_gguf.core.errors import ConversionError
+from clef_gguf.pipeline.lexical import field_value
 
 MODEL, PRE = "tokenizer.ggml.model", "tokenizer.ggml.pre"
 TOKENS, TYPES = "tokenizer.ggml.tokens", "tokenizer.ggml.token_type"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import gguf
 
-from clef_gguf.errors import ConversionError
+from clef_gguf.core.errors import ConversionError
 
 
 @dataclass

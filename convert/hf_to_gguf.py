@@ -26,10 +26,10 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from clef_gguf import files
+from clef_gguf.formats import files
 from clef_gguf.convert import gguf_vocab
 from clef_gguf.convert import tensor_map as tm
-from clef_gguf.errors import ConversionError, ModelNotFound
+from clef_gguf.core.errors import ConversionError, ModelNotFound
 
 ARCH = "qwen35"
 # architecture -> where its text hyper-parameters live and the checkpoint prefix of text tensors

@@ -3,7 +3,7 @@
 The input is a clef-finetune checkpoint (``adapter/`` with PEFT's ``adapter_config.json`` and
 ``adapter_model.safetensors``, ``joint_head.safetensors``, ``train_config.json``) or a bare PEFT
 adapter directory plus a head file. The output, written all or nothing, is what
-``clef_gguf.finetune_files`` reads: the LoRA as a llama.cpp adapter GGUF for the base's ``qwen35``
+``clef_gguf.formats.finetune_files`` reads: the LoRA as a llama.cpp adapter GGUF for the base's ``qwen35``
 tower, the fine-tune's head (float32), the base's head config and the manifest.
 
 The GGUF holds ``blk.N.X.weight.lora_a`` (PEFT's A, [rank, in]) and ``.lora_b`` (B, [out, rank])
@@ -31,13 +31,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from clef_gguf import files
+from clef_gguf.formats import files
 from clef_gguf.convert import tensor_map as tm
 from clef_gguf.convert.hf_to_gguf import ARCH, SUPPORTED, read_json, stream_gguf
-from clef_gguf.errors import AdapterMismatch, ConversionError, CorruptModel, ModelNotFound
-from clef_gguf.finetune_files import ADAPTER_FORMAT, ADAPTER_MANIFEST, adapter_file_name
+from clef_gguf.core.errors import AdapterMismatch, ConversionError, CorruptModel, ModelNotFound
+from clef_gguf.formats.finetune_files import ADAPTER_FORMAT, ADAPTER_MANIFEST, adapter_file_name
 from clef_gguf.heads.load import load_head
-from clef_gguf.lexical import open_gguf
+from clef_gguf.pipeline.lexical import open_gguf
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

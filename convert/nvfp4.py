@@ -29,9 +29,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from clef_gguf.convert.release import PROCESSOR_FILES
-from clef_gguf import errors, files
+from clef_gguf.core import errors
+from clef_gguf.formats import files
 from clef_gguf.convert.hf_to_gguf import SUPPORTED, load_config, read_json, scan_checkpoint
-from clef_gguf.nvfp4 import format as fmt
+from clef_gguf.tower.nvfp4 import format as fmt
 
 SCHEMES = ("nvfp4a16", "nvfp4")
 # Our scheme name -> compressed-tensors' preset (its args are what llm-compressor writes).
@@ -116,7 +117,7 @@ class _Reader:
 # --------------------------------------------------------------------------- calibration (W4A4)
 
 def default_requests() -> list[dict]:
-    from clef_gguf.tools.parity import SAMPLE_REQUESTS
+    from clef_gguf.convert.samples import SAMPLE_REQUESTS
 
     return list(SAMPLE_REQUESTS)
 
@@ -124,8 +125,8 @@ def default_requests() -> list[dict]:
 def calibrate(src: Path, arch: str, modules: list[str], requests: list[dict]) -> tuple[dict[str, torch.Tensor], int]:
     """Input amax of each named Linear over the prompts of ``requests``, running the release in fp32
     through transformers. Returns (module -> fp32 amax, tokens seen)."""
-    from clef_gguf.encode import Encoder
-    from clef_gguf.request import parse_request
+    from clef_gguf.pipeline.encode import Encoder
+    from clef_gguf.pipeline.request import parse_request
 
     try:
         import transformers

@@ -24,8 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from clef_gguf.cpus import available_cpus
-from clef_gguf.errors import ConversionError
+from clef_gguf.core.cpus import available_cpus
+from clef_gguf.core.errors import ConversionError
 
 
 def _c_string(text: str, limit: int) -> bytes:
@@ -75,7 +75,7 @@ def ggml_type(name: str | None) -> int | None:
         return None
     import gguf
 
-    from clef_gguf.lexical import ensure_gguf_types
+    from clef_gguf.pipeline.lexical import ensure_gguf_types
 
     ensure_gguf_types()
     member = gguf.GGMLQuantizationType.__members__.get(str(name).upper())
@@ -91,7 +91,7 @@ def _threads(threads: int | None) -> int:
 
 
 def _source_type(path: Path) -> str:
-    from clef_gguf.lexical import field_value, open_gguf
+    from clef_gguf.pipeline.lexical import field_value, open_gguf
 
     reader = open_gguf(path)
     ft = field_value(reader, "general.file_type")
@@ -202,7 +202,7 @@ def quantize_file(src, dst, outtype: str, *, imatrix=None, output_type: str | No
 
 def tensor_types(path) -> dict:
     """``{"tensor_types": {type: count}, "output_weight": type}`` of a GGUF, for summaries."""
-    from clef_gguf.lexical import open_gguf
+    from clef_gguf.pipeline.lexical import open_gguf
 
     counts: dict[str, int] = {}
     out = None
@@ -215,7 +215,7 @@ def tensor_types(path) -> dict:
 
 def quantize_model(model_dir, out, outtype: str, *, name: str | None = None, **options) -> Path:
     """A converted f32/f16/bf16 model directory -> a new directory with the tower quantized."""
-    from clef_gguf import files
+    from clef_gguf.formats import files
 
     model_dir, out = Path(model_dir), Path(out)
     outtype = canonical_outtype(outtype)

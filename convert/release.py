@@ -13,12 +13,12 @@ import tempfile
 from pathlib import Path
 
 from clef_gguf.media.config import IMAGE_PROCESSOR_FILE, PROCESSOR_FILE, VIDEO_PROCESSOR_FILE
-from clef_gguf import files
+from clef_gguf.formats import files
 from clef_gguf.convert import quantize
 from clef_gguf.convert import tensor_map as tm
 from clef_gguf.convert.hf_to_gguf import load_config, read_json, scan_checkpoint, write_tower
 from clef_gguf.convert.vision import write_vision
-from clef_gguf.errors import ConversionError, ModelNotFound
+from clef_gguf.core.errors import ConversionError, ModelNotFound
 
 FINETUNE_PROVENANCE = "CLEF_FINETUNE.json"
 

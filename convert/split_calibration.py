@@ -1,7 +1,7 @@
 """Upstream's temperatures of a native-clef GGUF -> a calibration file beside the split model.
 
 llama.cpp's server divides each question's logits by ``<arch>.decision.temperature.<type>[.<bucket>]``
-before the softmax (docs/design and ``clef_gguf.evaluate.calibration`` name the buckets). The
+before the softmax (docs/design and ``clef_gguf.formats.calibration`` name the buckets). The
 tower GGUF carries no decision keys, so ``convert split`` keeps them as ``calibration.json``,
 bound to the split files, and names it in the manifest: ``--calibration OUT/calibration.json``
 then applies what upstream applies. A file whose temperatures are all 1.0 (or absent) changes
@@ -16,12 +16,12 @@ from pathlib import Path
 
 import gguf
 
-from clef_gguf import files
-from clef_gguf.encode import TEMPLATE_SHA256
-from clef_gguf.errors import ClefError, ConversionError
-from clef_gguf.evaluate import calibration as cal
-from clef_gguf.lexical import field_value
-from clef_gguf.request import QUESTION_TYPES
+from clef_gguf.formats import files
+from clef_gguf.pipeline.encode import TEMPLATE_SHA256
+from clef_gguf.core.errors import ClefError, ConversionError
+from clef_gguf.formats import calibration as cal
+from clef_gguf.pipeline.lexical import field_value
+from clef_gguf.core.questions import QUESTION_TYPES
 
 FILE = "calibration.json"
 BUCKETS = tuple(name for _, name in cal.BANDS)

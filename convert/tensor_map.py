@@ -14,7 +14,7 @@ import gguf
 import numpy as np
 import torch
 
-from clef_gguf.errors import ConversionError
+from clef_gguf.core.errors import ConversionError
 
 GLOBAL_NAMES = {
     "embed_tokens.weight": "token_embd.weight",

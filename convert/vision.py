@@ -13,7 +13,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from clef_gguf.errors import ConversionError, CorruptModel
+from clef_gguf.core.errors import ConversionError, CorruptModel
 from clef_gguf.vision import load
 
 

@@ -14,11 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from clef_gguf.core.questions import QUESTION_TYPES
+
 # Both learned temperatures are exponentiated and capped at a multiplier of 100; there is no lower cap.
 LOG_100 = math.log(100.0)
 
 # Row order of ``type_embedding``; the runtime passes these ints in ``types``.
-QUESTION_TYPES = ("noul", "choice", "score")
 
 Span = tuple[int, int]
 

@@ -17,8 +17,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from clef_gguf.errors import CorruptModel, HeadMismatch, ModelNotFound
-from clef_gguf.files import HEAD_CONFIG, HEAD_WEIGHTS
+from clef_gguf.core.errors import CorruptModel, HeadMismatch, ModelNotFound
+from clef_gguf.formats.files import HEAD_CONFIG, HEAD_WEIGHTS
 from clef_gguf.heads.joint import JointSchemaHead
 
 # The constructor's keyword arguments, in the order the release config lists them.

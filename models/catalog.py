@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-from clef_gguf.errors import ModelNotFound
+from clef_gguf.core.errors import ModelNotFound
 
 CATALOG_FORMAT = "clef-gguf-catalog/1"
 CATALOG_PATH = Path(__file__).with_name("catalog.json")

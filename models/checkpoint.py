@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from clef_gguf.errors import ClefError, CorruptModel, ModelNotFound
-from clef_gguf.files import CHECKPOINT_CONFIG, ModelFiles, from_directory, is_compressed_tensors
+from clef_gguf.core.errors import ClefError, CorruptModel, ModelNotFound
+from clef_gguf.formats.files import CHECKPOINT_CONFIG, ModelFiles, from_directory, is_compressed_tensors
 from clef_gguf.models.catalog import Checkpoint, Family, FileEntry, Source
 from clef_gguf.models.download import cached_main, commit_of, fetch, hub_errors, main_commit
 from clef_gguf.models.hfcache import COMMIT_RE, cache_dir, endpoint, repo_dir, token

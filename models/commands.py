@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from clef_gguf.argtypes import positive_int
+from clef_gguf.core.argtypes import positive_int
 from clef_gguf.models.catalog import ModelRef, load_catalog
 from clef_gguf.models.hfcache import cache_dir
 from clef_gguf.models.hub import auto_order, pull

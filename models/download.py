@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from clef_gguf.errors import ClefError, CorruptModel, ModelNotFound
+from clef_gguf.core.errors import ClefError, CorruptModel, ModelNotFound
 from clef_gguf.models.catalog import FileEntry, Source
 from clef_gguf.models.hfcache import COMMIT_RE, SHA256_RE, cache_dir, endpoint, offline, repo_dir, token, verify
 from clef_gguf.models.pins import Pin, changed, pin, pinned_sha, pins_path, record_pin, refuse_moved

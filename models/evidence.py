@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from clef_gguf import errors
+from clef_gguf.core import errors
 from clef_gguf.models.placement import Candidate, Recommendation
 
 DEFAULT_AGREEMENT = 0.99

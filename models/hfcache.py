@@ -21,8 +21,8 @@ from typing import Any
 
 from filelock import FileLock, Timeout
 
-from clef_gguf.errors import CorruptModel
-from clef_gguf.files import sha256_file
+from clef_gguf.core.errors import CorruptModel
+from clef_gguf.formats.files import sha256_file
 
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")

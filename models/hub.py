@@ -12,8 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from clef_gguf.errors import ModelNotFound, NoQuantFits
-from clef_gguf.files import ModelFiles
+from clef_gguf.core.errors import ModelNotFound, NoQuantFits
+from clef_gguf.formats.files import ModelFiles
 from clef_gguf.models.catalog import HEAD_KEYS, Catalog, Family, ModelRef, load_catalog
 from clef_gguf.models.checkpoint import materialize_checkpoint
 from clef_gguf.models.download import commit_of, fetch

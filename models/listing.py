@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from clef_gguf.files import CHECKPOINT_CONFIG
+from clef_gguf.formats.files import CHECKPOINT_CONFIG
 from clef_gguf.models.catalog import Catalog, Family, Source, load_catalog
 from clef_gguf.models.checkpoint import checkpoint_ready
 from clef_gguf.models.hfcache import SHA256_RE, cache_dir, split_dir, stamp

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
-from clef_gguf.errors import ClefError, ConversionError, ModelLoadError
-from clef_gguf.files import MANIFEST, ROLES, ModelFiles, from_directory, read_manifest
+from clef_gguf.core.errors import ClefError, ConversionError, ModelLoadError
+from clef_gguf.formats.files import MANIFEST, ROLES, ModelFiles, from_directory, read_manifest
 from clef_gguf.models.catalog import Source
 from clef_gguf.models.download import commit_of, fetch
 from clef_gguf.models.hfcache import split_dir

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from clef_gguf.argtypes import positive_int
-from clef_gguf.errors import InvalidValue
+from clef_gguf.core.argtypes import positive_int
+from clef_gguf.core.errors import InvalidValue
 from clef_gguf.models import evidence
 from clef_gguf.models.machine import probe
 from clef_gguf.models.placement import DEFAULT_CONTEXT, fp4_note, gib, recommend

@@ -16,7 +16,7 @@ from typing import Any
 
 from filelock import FileLock, Timeout
 
-from clef_gguf.errors import ModelLoadError, PinMismatch
+from clef_gguf.core.errors import ModelLoadError, PinMismatch
 from clef_gguf.models.catalog import Source
 from clef_gguf.models.hfcache import clef_home, replace_json
 

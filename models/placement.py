@@ -23,8 +23,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from clef_gguf.errors import NoQuantFits
-from clef_gguf.limits import CONTEXT_WINDOW
+from clef_gguf.core.errors import NoQuantFits
+from clef_gguf.core.limits import CONTEXT_WINDOW
 from clef_gguf.models.catalog import Catalog, Family, load_catalog
 from clef_gguf.models.machine import GPU, DeviceProfile, GiB, MiB, native_fp4
 
@@ -37,7 +37,7 @@ GPU_RESERVE = 512 * MiB  # CUDA context and allocator slack, which never show up
 CPU_SKIP = frozenset({"BF16"})
 # Schemes the nvfp4 backend runs on FP4 tensor cores (on a GPU ``machine.native_fp4`` accepts): an FP4
 # GEMM needs FP4 activations, so W4A16 dequantizes layer by layer on every device
-# (clef_gguf/nvfp4/kernels.py, kernel_name).
+# (clef_gguf/tower/nvfp4/kernels.py, kernel_name).
 NATIVE_SCHEMES = frozenset({"W4A4"})
 
 

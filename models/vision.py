@@ -28,8 +28,8 @@ from typing import IO, Any
 
 from filelock import FileLock, Timeout
 
-from clef_gguf.errors import CorruptModel, ModelLoadError, ModelNotFound
-from clef_gguf.files import CHECKPOINT_CONFIG, VISION_CONFIG, VISION_PREFIXES, VISION_WEIGHTS, staged_directory
+from clef_gguf.core.errors import CorruptModel, ModelLoadError, ModelNotFound
+from clef_gguf.formats.files import CHECKPOINT_CONFIG, VISION_CONFIG, VISION_PREFIXES, VISION_WEIGHTS, staged_directory
 from clef_gguf.models.catalog import Source
 from clef_gguf.models.download import download, hub_errors, hub_file
 from clef_gguf.models.hfcache import COMMIT_RE, endpoint, record_verified, token, verify, vision_dir

@@ -154,7 +154,7 @@ def rss_probe(model: str, adapters: list[str], threads: int) -> dict[str, Any]:
     import psutil
 
     from clef_gguf import Clef
-    from clef_gguf.tools.parity import SAMPLE_REQUESTS
+    from clef_gguf.convert.samples import SAMPLE_REQUESTS
 
     named = {f"ft{i}": a for i, a in enumerate(adapters)} or None
     with Clef.load(model, adapters=named, threads=threads) as clef:
@@ -188,7 +188,8 @@ def probabilities(model: Path, requests: list[dict], threads: int, adapters: Pat
 
 def parity(paths: dict, types: list[str], threads: int) -> dict[str, Any]:
     """max |dp| of base TYPE + adapter and of the merge at TYPE, against each other and the f32 merge."""
-    from clef_gguf.tools.parity import SAMPLE_REQUESTS, compare
+    from clef_gguf.convert.samples import SAMPLE_REQUESTS
+    from clef_gguf.tools.parity import compare
 
     tune = paths["finetunes"]["a"]
     anchor = probabilities(paths["merged"]["f32"], SAMPLE_REQUESTS, threads)

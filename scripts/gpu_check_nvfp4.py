@@ -21,8 +21,8 @@ import torch
 from clef_gguf import Clef
 from clef_gguf.convert.nvfp4 import quantize_release
 from clef_gguf.convert.tiny import build_release
-from clef_gguf.nvfp4 import kernels
-from clef_gguf.tools.parity import SAMPLE_REQUESTS
+from clef_gguf.tower.nvfp4 import kernels
+from clef_gguf.convert.samples import SAMPLE_REQUESTS
 
 ROUNDS = 7
 REQUEST = {**SAMPLE_REQUESTS[2]}  # ~400 tokens

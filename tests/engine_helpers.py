@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from clef_gguf import errors
+from clef_gguf.core import errors
 
 
 def requests(*states: str) -> list[dict]:

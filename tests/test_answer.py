@@ -3,8 +3,9 @@
 import numpy as np
 import pytest
 
-from clef_gguf import answer, errors
-from clef_gguf.request import parse_request
+from clef_gguf.pipeline import answer
+from clef_gguf.core import errors
+from clef_gguf.pipeline.request import parse_request
 
 PROV = answer.Provenance("clef-test", "abc123", "llama-cpp-python", "f32", "tmpl")
 

@@ -470,7 +470,8 @@ def child(src: Path, scratch: Path, cases_path: Path, start: int) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (24 << 30, resource.RLIM_INFINITY))
     torch.set_num_threads(1)
     logging.getLogger("clef_gguf").setLevel(logging.CRITICAL)  # llama.cpp's load errors: noise
-    from clef_gguf import Clef, errors
+    from clef_gguf import Clef
+    from clef_gguf.core import errors
 
     pristine = {name: (src / name).read_bytes() for name in KINDS.values()}
     cases = json.loads(cases_path.read_text())

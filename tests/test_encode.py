@@ -5,9 +5,9 @@ import unicodedata
 import numpy as np
 import pytest
 
-from clef_gguf import errors
-from clef_gguf.encode import PREFIX, SUFFIX, SYSTEM, Encoder, option_text, render
-from clef_gguf.request import parse_request
+from clef_gguf.core import errors
+from clef_gguf.pipeline.encode import PREFIX, SUFFIX, SYSTEM, Encoder, option_text, render
+from clef_gguf.pipeline.request import parse_request
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,11 @@
-"""Running many requests (``clef_gguf.engine``): input order, each failure in its own place, the
+"""Running many requests (``clef_gguf.runtime.engine``): input order, each failure in its own place, the
 state order, the groups a packing model runs, stopping between groups; on fake models, and once
 through a real ``Clef`` on the tiny model."""
 
 import logging
 
-from clef_gguf import Clef, engine
+from clef_gguf import Clef
+from clef_gguf.runtime import engine
 from engine_helpers import OneByOne, Packing, requests
 
 
@@ -25,7 +26,7 @@ def test_answers_in_input_order_with_each_failure_in_its_place():
 def test_a_packed_run_that_fails_runs_its_requests_one_at_a_time(caplog):
     model = Packing(pack=4)
     reqs = requests("x", "boom", "y")
-    with caplog.at_level(logging.ERROR, logger="clef_gguf.engine"):
+    with caplog.at_level(logging.ERROR, logger="clef_gguf.runtime.engine"):
         got = engine.answer(model, reqs)
     assert model.groups == [["boom-1", "x-0", "y-2"]]  # one packed run, then one by one
     assert model.ran == ["boom-1", "x-0", "y-2"]

@@ -28,8 +28,10 @@ from finetune_helpers import (
 )
 from safetensors import safe_open
 
-from clef_gguf import Clef, errors
-from clef_gguf.tools.parity import SAMPLE_REQUESTS, Reference, compare
+from clef_gguf import Clef
+from clef_gguf.core import errors
+from clef_gguf.convert.samples import SAMPLE_REQUESTS
+from clef_gguf.tools.parity import Reference, compare
 
 # The text parity gate, and the margin above which the argmax must agree.
 F32_MAX_DP, MARGIN = 2e-3, 0.01

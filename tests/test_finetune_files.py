@@ -1,4 +1,4 @@
-"""The fine-tune directory's manifest (``clef_gguf.finetune_files``): read, checked, refused."""
+"""The fine-tune directory's manifest (``clef_gguf.formats.finetune_files``): read, checked, refused."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from clef_gguf.errors import CorruptModel, ModelNotFound
-from clef_gguf.finetune_files import ADAPTER_MANIFEST, AdapterFiles, read_adapter_manifest
+from clef_gguf.core.errors import CorruptModel, ModelNotFound
+from clef_gguf.formats.finetune_files import ADAPTER_MANIFEST, AdapterFiles, read_adapter_manifest
 
 SHA = "ab" * 32
 

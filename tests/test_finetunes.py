@@ -1,4 +1,4 @@
-"""Fine-tunes on one loaded tower (``clef_gguf.finetunes`` and ``Clef.load(adapters=)``): the flags,
+"""Fine-tunes on one loaded tower (``clef_gguf.runtime.finetunes`` and ``Clef.load(adapters=)``): the flags,
 routing by a request's ``model``, cache keys per adapter, packing per model, and every refusal.
 
 The fine-tunes are random ones (``convert.finetune_demo``) converted by ``convert adapter``; their
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from clef_gguf import errors
-from clef_gguf.finetunes import cache_tag, named, parse_flags
-from clef_gguf.runtime import Clef
+from clef_gguf.core import errors
+from clef_gguf.runtime.finetunes import cache_tag, named, parse_flags
+from clef_gguf.runtime.model import Clef
 
 REQUEST = {"state": "The app crashes when I upload a photo. Third time today!",
            "questions": {"bug": {"type": "noul"},

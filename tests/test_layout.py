@@ -1,5 +1,5 @@
-"""The house layout as rules: no import cycles (function-level imports included), and the model
-files (``clef_gguf.models``) stay below the pipeline."""
+"""The house layout as rules: packages by layer, the dependencies each may have written as one table
+(function-level imports included), no import cycle between packages or modules."""
 
 from __future__ import annotations
 
@@ -10,9 +10,31 @@ ROOT = Path(__file__).resolve().parents[1]
 # source folder -> package name in site-packages (pyproject's package-dir)
 PACKAGES = {"clef_gguf": "clef_gguf", "heads": "clef_gguf.heads", "convert": "clef_gguf.convert",
             "models": "clef_gguf.models"}
-PIPELINE = ["request", "encode", "tower", "towers", "llama", "packing", "statecache", "engine", "lexical", "answer",
-            "runtime", "backends", "errors", "files", "limits",
-            "nvfp4.checkpoint", "nvfp4.lexical", "nvfp4.model", "nvfp4.tower", "nvfp4.kernels", "nvfp4.format"]
+
+# The layers, lowest first, and what each package may import (besides itself). A unit is a package
+# of clef_gguf, or a module at its root (``cli``; ``clef_gguf`` is the root package: the public API).
+# Read it as docs/architecture.md's picture: nothing imports a row below it.
+LOWER = {
+    "core": set(),  # errors, limits, question types, CPUs, argparse types
+    "formats": {"core"},  # the files: model directory, fine-tune, calibration, GGUF, safetensors
+    "heads": {"core", "formats"},  # the PyTorch joint schema head
+    "vision": {"core", "formats"},  # the PyTorch vision tower
+    "pipeline": {"core", "formats"},  # request, encode, mediaprompt, lexical rows, answer
+    "media": {"core", "formats", "vision", "pipeline"},  # pictures and videos into prompt tokens
+    "tower": {"core", "formats", "pipeline"},  # hidden states: llama.cpp, nvfp4, the caches
+    "convert": {"core", "formats", "heads", "vision", "pipeline", "media", "tower"},  # writing releases
+    "models": {"core", "formats", "convert"},  # catalog, downloads, device fit
+    "runtime": {"core", "formats", "heads", "vision", "pipeline", "media", "tower", "models"},
+    "clef_gguf": {"core", "runtime"},
+}
+_BELOW_APPS = set(LOWER)
+LOWER |= {  # the applications, on top
+    "bulk": _BELOW_APPS,
+    "server": _BELOW_APPS | {"bulk"},
+    "evaluate": _BELOW_APPS | {"bulk"},
+    "tools": _BELOW_APPS | {"bulk", "server", "evaluate"},
+    "cli": _BELOW_APPS | {"bulk", "server", "evaluate", "tools"},
+}
 
 
 def _modules() -> dict[str, Path]:
@@ -76,52 +98,85 @@ def _cycle() -> list[str] | None:
     return None
 
 
+def unit(module: str) -> str:
+    """The package (or root module) a module belongs to: clef_gguf.tower.nvfp4.tower -> tower."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def unit_graph() -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for name, deps in GRAPH.items():
+        out.setdefault(unit(name), set()).update(unit(d) for d in deps if unit(d) != unit(name))
+    return out
+
+
 def test_the_graph_sees_the_known_edges():
     # The checker itself must see function-level and `from pkg import mod` imports.
-    assert "clef_gguf.models.hub" in GRAPH["clef_gguf.runtime"]  # a function-level import
+    assert "clef_gguf.models.hub" in GRAPH["clef_gguf.runtime.model"]  # a function-level import
     assert "clef_gguf.server.schema" in GRAPH["clef_gguf.server.app"]  # from clef_gguf.server import schema
-    assert "clef_gguf.cli_options" in GRAPH["clef_gguf.tools.bench"]
+    assert "clef_gguf.runtime.flags" in GRAPH["clef_gguf.tools.bench"]
+
+
+def test_every_unit_is_in_the_table():
+    assert set(unit_graph()) <= set(LOWER), sorted(set(unit_graph()) - set(LOWER))
+
+
+def test_the_table_is_layered():
+    # The table itself has no cycle: each row names only rows above it in the table.
+    seen: set[str] = set()
+    for name, allowed in LOWER.items():
+        assert allowed <= seen, f"{name} may import {sorted(allowed - seen)}, which come later"
+        seen.add(name)
+
+
+def test_packages_import_only_what_the_table_allows():
+    bad = {}
+    for name, deps in GRAPH.items():
+        wrong = sorted(d for d in deps if unit(d) != unit(name) and unit(d) not in LOWER[unit(name)])
+        if wrong:
+            bad[name] = wrong
+    assert not bad, bad
+
+
+def test_no_package_level_cycles():
+    graph = unit_graph()
+    state: dict[str, int] = {}
+
+    def visit(node: str, stack: list[str]) -> list[str] | None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt] if nxt in stack else [node, nxt]
+            if nxt not in state and (found := visit(nxt, stack + [nxt])):
+                return found
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            assert (found := visit(node, [node])) is None, " -> ".join(found)
 
 
 def test_no_import_cycles():
     assert _cycle() is None, " -> ".join(_cycle() or [])
 
 
-def test_models_use_only_errors_files_and_argtypes_of_the_runtime():
-    allowed = {"clef_gguf.errors", "clef_gguf.files", "clef_gguf.argtypes", "clef_gguf.limits"}
-    # pull splits a native clef-arch GGUF on download (a function-level import, only then)
-    extra = {"clef_gguf.models.native": {"clef_gguf.convert.split"}}
-    for name, deps in GRAPH.items():
-        if name.startswith("clef_gguf.models"):
-            bad = {d for d in deps if not d.startswith("clef_gguf.models")
-                   and d not in allowed | extra.get(name, set())}
-            assert not bad, f"{name} imports {sorted(bad)}"
-
-
-def test_the_pipeline_imports_models_only_to_resolve_a_name_or_place_the_tower():
-    for stage in PIPELINE:
-        deps = {d for d in GRAPH[f"clef_gguf.{stage}"] if d.startswith("clef_gguf.models")}
-        expected = {"runtime": {"clef_gguf.models.catalog", "clef_gguf.models.hub"},  # resolve a name
-                    "backends": {"clef_gguf.models.catalog", "clef_gguf.models.machine",
-                                 "clef_gguf.models.placement"},  # place it
-                    # the memory left for packed sequences
-                    "tower": {"clef_gguf.models.machine", "clef_gguf.models.placement"},
-                    "packing": {"clef_gguf.models.machine", "clef_gguf.models.placement"},
-                    }.get(stage, set())
-        assert deps <= expected, f"clef_gguf.{stage} imports {sorted(deps)}"
-
-
 def test_the_gguf_path_does_not_import_the_nvfp4_backend_at_module_level():
     # torch-only users of GGUF towers never need transformers or compressed-tensors
-    for stage in ("runtime", "backends", "tower", "lexical"):
-        tree = ast.parse(MODULES[f"clef_gguf.{stage}"].read_text(encoding="utf-8"))
+    for module in ("runtime.model", "runtime.backends", "tower.llama_tower", "pipeline.lexical"):
+        tree = ast.parse(MODULES[f"clef_gguf.{module}"].read_text(encoding="utf-8"))
         top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
         names = {a.name for n in top if isinstance(n, ast.Import) for a in n.names} \
             | {n.module or "" for n in top if isinstance(n, ast.ImportFrom)}
-        assert not {n for n in names if "nvfp4" in n or n.startswith(("transformers", "compressed"))}, stage
+        assert not {n for n in names if "nvfp4" in n or n.startswith(("transformers", "compressed"))}, module
 
 
-def test_pipeline_server_and_tools_do_not_import_the_cli():
+def test_nothing_imports_the_cli():
     for name, deps in GRAPH.items():
         if name != "clef_gguf.cli":
             assert "clef_gguf.cli" not in deps, f"{name} imports clef_gguf.cli"
+
+
+def test_the_root_holds_only_the_api_and_the_command_line():
+    assert sorted(p.name for p in (ROOT / "clef_gguf").glob("*.py")) == ["__init__.py", "cli.py"]

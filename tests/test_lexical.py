@@ -4,7 +4,8 @@ import gguf
 import numpy as np
 import pytest
 
-from clef_gguf import errors, lexical
+from clef_gguf.core import errors
+from clef_gguf.pipeline import lexical
 
 T = gguf.GGMLQuantizationType
 HIDDEN, VOCAB = 256, 40

@@ -5,8 +5,8 @@ import subprocess
 import sys
 import threading
 
-from clef_gguf import llama
-from clef_gguf.files import from_directory
+from clef_gguf.tower import llama
+from clef_gguf.formats.files import from_directory
 
 # Records llama_log_set / llama_backend_init calls made while clef_gguf's modules are imported, then
 # those of the first tower load.
@@ -17,9 +17,9 @@ calls = []
 for name in ("llama_log_set", "llama_backend_init"):
     real = getattr(ll, name)
     setattr(ll, name, lambda *a, _n=name, _r=real: (calls.append(_n), _r(*a))[1])
-import clef_gguf, clef_gguf.tower, clef_gguf.runtime, clef_gguf.llama
+import clef_gguf, clef_gguf.tower.llama_tower, clef_gguf.runtime.model, clef_gguf.tower.llama
 on_import = list(calls)
-from clef_gguf.tower import Tower
+from clef_gguf.tower.llama_tower import Tower
 with Tower.load(sys.argv[1], n_ctx=256, threads=1):
     pass
 with Tower.load(sys.argv[1], n_ctx=256, threads=1):

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from clef_gguf.mediaprompt import MediaPrompt, Run, positions
-from clef_gguf.statecache import StateCache
-from clef_gguf.tower import Tower
+from clef_gguf.pipeline.mediaprompt import MediaPrompt, Run, positions
+from clef_gguf.tower.cache import StateCache
+from clef_gguf.tower.llama_tower import Tower
 
 
 def _reference_positions(model, n_tokens: int, runs: list[Run], kinds: list[int]) -> np.ndarray:

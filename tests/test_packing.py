@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from clef_gguf import errors
-from clef_gguf.packing import PACKING, Slot, chunks, next_group, to_one_stream, to_streams, u32
+from clef_gguf.core import errors
+from clef_gguf.tower.packing import PACKING, Slot, chunks, next_group, to_one_stream, to_streams, u32
 
 
 def test_state_layouts_round_trip_and_refuse_others():

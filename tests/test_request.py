@@ -2,8 +2,8 @@
 
 import pytest
 
-from clef_gguf import errors
-from clef_gguf.request import MAX_DEPTH, NOUL_DEFAULTS, parse_json, parse_request
+from clef_gguf.core import errors
+from clef_gguf.pipeline.request import MAX_DEPTH, NOUL_DEFAULTS, parse_json, parse_request
 
 
 def body(**questions):
@@ -170,7 +170,7 @@ def test_with_a_calibration_loaded_the_requested_one_is_kept_for_the_runtime(str
 @pytest.mark.parametrize("instructions, rendered", [(5, "5"), (True, "true"), (0, "0"),
                                                      (1.5, "1.5"), (False, "false")])
 def test_any_json_instructions_render_like_the_reference(instructions, rendered):
-    from clef_gguf.encode import render
+    from clef_gguf.pipeline.encode import render
 
     q = parse_request(body(q={"type": "noul", "instructions": instructions})).questions[0]
     assert q.instruction == instructions and render(q.instruction) == rendered  # no id fallback

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from clef_gguf import errors
-from clef_gguf.encode import CUT_MARGIN, Encoder
-from clef_gguf.request import parse_json, parse_request
+from clef_gguf.core import errors
+from clef_gguf.pipeline.encode import CUT_MARGIN, Encoder
+from clef_gguf.pipeline.request import parse_json, parse_request
 
 EXAMPLES = int(os.environ.get("CLEF_FUZZ_EXAMPLES", "300"))
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True,

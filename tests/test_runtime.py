@@ -7,8 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from clef_gguf import Clef, errors, files
-from clef_gguf.files import MANIFEST, from_directory
+from clef_gguf import Clef
+from clef_gguf.core import errors
+from clef_gguf.formats import files
+from clef_gguf.formats.files import MANIFEST, from_directory
 
 REQUEST = {
     "model": "tiny",
@@ -226,7 +228,7 @@ def test_a_mistyped_directory_is_not_sent_to_the_hub(tmp_path, monkeypatch):
 
 
 def test_gpu_layers_on_a_cpu_only_build(tiny_model_dir):
-    from clef_gguf import backends
+    from clef_gguf.runtime import backends
 
     for asked in ("auto", "all", 0, 3):
         with Clef.load(tiny_model_dir, gpu_layers=asked, state_cache_mb=0) as clef:
@@ -239,7 +241,8 @@ def test_gpu_layers_on_a_cpu_only_build(tiny_model_dir):
 
 
 def test_auto_gpu_layers_follow_the_device_policy(tiny_model_dir, monkeypatch):
-    from clef_gguf import backends, tower
+    from clef_gguf.runtime import backends
+    from clef_gguf.tower import llama_tower as tower
     from clef_gguf.models import machine
 
     box = machine.DeviceProfile(64 << 30, 50 << 30, 16, "x86_64", frozenset({"avx2"}),
@@ -297,14 +300,14 @@ def test_decide_many_packed_equals_one_by_one(tiny_model_dir):
 
 
 def answer_probs(clef, prepared, hidden):
-    from clef_gguf import answer
+    from clef_gguf.pipeline import answer
 
     logits = clef._head_logits(prepared.encoded, hidden)[0]
     return answer.split_probabilities(logits, prepared.encoded.option_counts)
 
 
 def test_run_many_matches_run_and_the_policy_packs_on_the_cpu(clef):
-    from clef_gguf.tower import PACKING
+    from clef_gguf.tower.llama_tower import PACKING
 
     prepared = [clef.prepare({"state": f"Refund {i} late", "questions": REQUEST["questions"]})
                 for i in range(6)]

@@ -7,9 +7,10 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from clef_gguf import Clef, errors
-from clef_gguf.statecache import SegmentedForward, Snapshot, StateCache
-from clef_gguf.tower import Tower
+from clef_gguf import Clef
+from clef_gguf.core import errors
+from clef_gguf.tower.cache import SegmentedForward, Snapshot, StateCache
+from clef_gguf.tower.llama_tower import Tower
 
 DOC = {"ticket": "Refund for order 1182 not received after 14 days; customer is upset.",
        "history": ["asked twice", "no reply"], "amount": 129.5}
@@ -98,7 +99,7 @@ def test_lru_store_evicts_oldest_and_refuses_what_cannot_fit():
 
 @pytest.mark.parametrize("mb", [-1, "10", float("nan")])
 def test_the_budget_must_be_a_size(tiny_model_dir, mb):
-    from clef_gguf import errors
+    from clef_gguf.core import errors
 
     with pytest.raises(errors.InvalidSetting) as info:
         Clef.load(tiny_model_dir, state_cache_mb=mb)

@@ -7,11 +7,12 @@ import sys
 import numpy as np
 import pytest
 
-from clef_gguf import errors, llama, packing
-from clef_gguf.files import from_directory
-from clef_gguf.statecache import StateCache
-from clef_gguf.tower import Tower
-from clef_gguf.towers import LanguageTower
+from clef_gguf.core import errors
+from clef_gguf.tower import llama, packing
+from clef_gguf.formats.files import from_directory
+from clef_gguf.tower.cache import StateCache
+from clef_gguf.tower.llama_tower import Tower
+from clef_gguf.tower.protocol import LanguageTower
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +83,8 @@ def test_corrupt_gguf_is_a_clean_error_in_a_fresh_process(gguf_path, tmp_path):
     data = gguf_path.read_bytes()
     bad = tmp_path / "cut.gguf"
     bad.write_bytes(data[: len(data) * 2 // 3])
-    code = ("import json,sys\nfrom clef_gguf.tower import Tower\nfrom clef_gguf.errors import ClefError\n"
+    code = ("import json,sys\nfrom clef_gguf.tower.llama_tower import Tower\n"
+            "from clef_gguf.core.errors import ClefError\n"
             f"try:\n    Tower.load({str(bad)!r})\nexcept ClefError as e:\n"
             "    print(json.dumps(e.to_dict()))\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import importlib
 
-from clef_gguf.errors import MissingDependency
+from clef_gguf.core.errors import MissingDependency
 
 
 def need(module: str, extra: str):

@@ -18,13 +18,14 @@ import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from clef_gguf import engine, errors
-from clef_gguf.argtypes import positive_int, seconds
+from clef_gguf.runtime import engine
+from clef_gguf.core import errors
+from clef_gguf.core.argtypes import positive_int, seconds
 from clef_gguf.bulk import options, records
 from clef_gguf.bulk.output import Output
 from clef_gguf.bulk.progress import Progress
 from clef_gguf.bulk.stopping import Interrupted, Stopper
-from clef_gguf.cli_options import add_model_arguments, load_model
+from clef_gguf.runtime.flags import add_model_arguments, load_model
 from clef_gguf.media.sources import MediaPolicy
 
 DEFAULT_LOG_EVERY_S = 10.0

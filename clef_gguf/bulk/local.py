@@ -1,4 +1,4 @@
-"""The local engine: records -> output records, in input order, through ``clef_gguf.engine``.
+"""The local engine: records -> output records, in input order, through ``clef_gguf.runtime.engine``.
 
 Records are taken ``window`` at a time; within a window, the engine runs the requests about one
 state one after another so the state cache decodes it once, and a record that fails, however it
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from clef_gguf import engine
+from clef_gguf.runtime import engine
 from clef_gguf.bulk.output import output_record
 from clef_gguf.bulk.records import Record
 from clef_gguf.media.sources import MediaPolicy

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from clef_gguf.cpus import available_cpus
+from clef_gguf.core.cpus import available_cpus
 
 
 def per_replica_threads(asked: int | None, replicas: int) -> int:
@@ -37,7 +37,7 @@ def load_kwargs(args: argparse.Namespace, threads: int) -> dict:
 
 def _adapters(flags: list[str] | None) -> str | dict[str, str] | None:
     """``--adapter [NAME=]DIR`` flags as ``Clef.load(adapters=)`` takes them, directories absolute."""
-    from clef_gguf.finetunes import parse_flags
+    from clef_gguf.runtime.finetunes import parse_flags
 
     parsed = parse_flags(flags)
     if parsed is None or isinstance(parsed, (str, Path)):

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from clef_gguf.bulk.deps import need
-from clef_gguf.errors import CorruptOutput
+from clef_gguf.core.errors import CorruptOutput
 
 # Parquet columns: objects as JSON text (answers differ in shape from one schema to the next, so
 # a struct column would not fit them all): df["answers"].map(json.loads) reads them back.

@@ -18,10 +18,10 @@ import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from clef_gguf import errors
+from clef_gguf.core import errors
 from clef_gguf.bulk import local
 from clef_gguf.bulk.deps import need
-from clef_gguf.cpus import available_cpus
+from clef_gguf.core.cpus import available_cpus
 from clef_gguf.bulk.records import Record
 from clef_gguf.media.sources import MediaPolicy
 
@@ -34,9 +34,9 @@ class Decider:
 
     def __init__(self, load_kwargs: dict, window: int, truncate_state: bool,
                  media_policy: MediaPolicy | None = None) -> None:
-        from clef_gguf.runtime import Clef
+        from clef_gguf.runtime.model import Clef
 
-        logging.getLogger("clef_gguf.llama").setLevel(logging.ERROR)
+        logging.getLogger("clef_gguf.tower.llama").setLevel(logging.ERROR)
         self.clef = Clef.load(**load_kwargs)
         self.window, self.truncate_state = window, truncate_state
         self.media_policy = media_policy

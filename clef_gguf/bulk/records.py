@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from clef_gguf import errors
+from clef_gguf.core import errors
 from clef_gguf.bulk.deps import need
-from clef_gguf.errors import DuplicateId, InvalidInput
-from clef_gguf.request import parse_json, parse_request
+from clef_gguf.core.errors import DuplicateId, InvalidInput
+from clef_gguf.pipeline.request import parse_json, parse_request
 
 PARQUET_SUFFIXES = frozenset({".parquet", ".pq"})
 JSONL_SUFFIXES = frozenset({".jsonl", ".ndjson", ".json"})

@@ -20,13 +20,15 @@ from typing import Any
 
 import numpy as np
 
-from clef_gguf import __version__, answer, errors
-from clef_gguf.argtypes import fraction, non_negative_int, positive_int
+from clef_gguf import __version__
+from clef_gguf.pipeline import answer
+from clef_gguf.core import errors
+from clef_gguf.core.argtypes import fraction, non_negative_int, positive_int
 from clef_gguf.evaluate import agreement, fit, metrics, predict
-from clef_gguf.evaluate import calibration as cal
+from clef_gguf.formats import calibration as cal
 from clef_gguf.evaluate import records as labelled
 from clef_gguf.evaluate.cli import add_model_list, loader
-from clef_gguf.files import sha256_file
+from clef_gguf.formats.files import sha256_file
 
 HOLDOUT = 0.25
 

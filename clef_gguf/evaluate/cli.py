@@ -18,13 +18,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from clef_gguf import errors
-from clef_gguf.argtypes import non_negative_int, positive_int
-from clef_gguf.cli_options import add_model_arguments, load_model
+from clef_gguf.core import errors
+from clef_gguf.core.argtypes import non_negative_int, positive_int
+from clef_gguf.runtime.flags import add_model_arguments, load_model
 from clef_gguf.evaluate import agreement, demo, metrics, plots, predict, report, stats
 from clef_gguf.evaluate import records as labelled
-from clef_gguf.files import sha256_file
-from clef_gguf.runtime import Clef
+from clef_gguf.formats.files import sha256_file
+from clef_gguf.runtime.model import Clef
 
 FORMAT = "clef-gguf-eval/1"
 

@@ -14,8 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from clef_gguf import answer, errors
-from clef_gguf.runtime import Clef
+from clef_gguf.pipeline import answer
+from clef_gguf.core import errors
+from clef_gguf.runtime.model import Clef
 
 TEMPERATURE = 2.0
 WORDS = ("refund", "login", "invoice", "crash", "slow", "password", "upgrade", "cancel", "error",

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from clef_gguf.evaluate import calibration as cal
-from clef_gguf.request import QUESTION_TYPES
+from clef_gguf.formats import calibration as cal
+from clef_gguf.core.questions import QUESTION_TYPES
 
 BOUNDS = (0.25, 8.0)  # the temperatures a fit may return
 MIN_QUESTIONS = 30  # items a band (or a type) needs for a temperature of its own

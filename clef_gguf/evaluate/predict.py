@@ -4,7 +4,7 @@ Each record's outcome is appended (and fsynced) to ``records.jsonl`` in the mode
 soon as it is computed, so an interrupted eval continues where it stopped and a finished model is
 not loaded again. ``run.json`` binds the directory to the model files, the data file and the
 calibration it was computed with: another model or data in the same directory is refused rather
-than mixed. The requests go through the engine (``clef_gguf.engine``): refused requests keep
+than mixed. The requests go through the engine (``clef_gguf.runtime.engine``): refused requests keep
 their error in place, requests about one state run together so it is decoded once.
 """
 
@@ -21,12 +21,14 @@ from typing import Any
 
 import numpy as np
 
-from clef_gguf import answer, engine, errors
+from clef_gguf.pipeline import answer
+from clef_gguf.runtime import engine
+from clef_gguf.core import errors
 from clef_gguf.bulk.output import Journal, read_journal
 from clef_gguf.evaluate import records as labelled
 from clef_gguf.evaluate.cost import Cost, PeakRss, file_bytes
 from clef_gguf.media.sources import MediaPolicy
-from clef_gguf.runtime import Clef, Prepared
+from clef_gguf.runtime.model import Clef, Prepared
 
 JOURNAL = "records.jsonl"
 RUN = "run.json"

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from clef_gguf import errors
-from clef_gguf.request import Question, Request, parse_json
+from clef_gguf.core import errors
+from clef_gguf.pipeline.request import Question, Request, parse_json
 
 MEDIA_KEYS = ("images", "videos")
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from clef_gguf import errors
+from clef_gguf.core import errors
 
 PROCESSOR_FILE = "processor_config.json"
 IMAGE_PROCESSOR_FILE = "preprocessor_config.json"

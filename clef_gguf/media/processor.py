@@ -19,7 +19,7 @@ import PIL.Image
 import torch
 from torch.nn.functional import interpolate
 
-from clef_gguf import errors
+from clef_gguf.core import errors
 from clef_gguf.media.config import FRAME_LIST_FPS, VisionSettings
 
 MAX_ASPECT_RATIO = 200

@@ -15,15 +15,15 @@ import numpy as np
 import PIL.Image
 import torch
 
-from clef_gguf import errors
+from clef_gguf.core import errors
 from clef_gguf.media.config import ProcessorConfig, parse_media_kwargs
 from clef_gguf.media.placeholders import IMAGE_PAD, VIDEO_PAD, PreparedMedia, prepare_media
 from clef_gguf.media.sources import MediaPolicy, check_count, load_images, load_video_frames
-from clef_gguf.mediaprompt import MediaPrompt, Run, positions
+from clef_gguf.pipeline.mediaprompt import MediaPrompt, Run, positions
 
 if TYPE_CHECKING:
-    from clef_gguf.encode import Encoded, Encoder
-    from clef_gguf.request import Request
+    from clef_gguf.pipeline.encode import Encoded, Encoder
+    from clef_gguf.pipeline.request import Request
     from clef_gguf.vision.encoder import VisionTower
 
 

@@ -32,7 +32,7 @@ from typing import IO
 import PIL.Image
 import PIL.ImageOps
 
-from clef_gguf import errors
+from clef_gguf.core import errors
 
 # What torchvision's decode_image reads (AVIF/HEIC need an extra package the reference does not have);
 # MPO is how Pillow names the multi-picture JPEGs cameras write (torchvision decodes the first picture).

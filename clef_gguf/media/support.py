@@ -14,10 +14,10 @@ from clef_gguf.media.config import ProcessorConfig, load_processor_config
 from clef_gguf.media.sources import MediaPolicy
 
 if TYPE_CHECKING:
-    from clef_gguf.encode import Encoder
-    from clef_gguf.files import ModelFiles
+    from clef_gguf.pipeline.encode import Encoder
+    from clef_gguf.formats.files import ModelFiles
     from clef_gguf.media.prompt import MediaTokens
-    from clef_gguf.request import Request
+    from clef_gguf.pipeline.request import Request
     from clef_gguf.vision.encoder import VisionTower
 
 # The Python API's and the CLI's sources: local paths (relative to the working directory) and URLs.
@@ -41,7 +41,7 @@ class MediaSupport:
     def of(cls, found: ModelFiles, backend: str, *, threads: int | None = None) -> MediaSupport:
         """The media support of a model: a vision tower (``vision_config.json`` + ``vision.safetensors``,
         written by ``convert`` beside the tower or by ``pull`` into ``found.vision``) and processor settings."""
-        from clef_gguf.files import VISION_CONFIG
+        from clef_gguf.formats.files import VISION_CONFIG
 
         if backend == "nvfp4":  # a checkpoint keeps the release's vision tensors as stored
             from clef_gguf.vision.load import release_config

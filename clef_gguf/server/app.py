@@ -29,8 +29,8 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
-from clef_gguf import argtypes
-from clef_gguf.errors import ClefError, MissingField
+from clef_gguf.core import argtypes
+from clef_gguf.core.errors import ClefError, MissingField
 from clef_gguf.media.sources import INLINE_ONLY, MediaPolicy, served_sources
 from clef_gguf.server import schema
 from clef_gguf.server import ui as page
@@ -143,7 +143,7 @@ def openapi_document(app: FastAPI, max_batch: int) -> dict[str, Any]:
 def add_arguments(p: argparse.ArgumentParser, *, page_flag: bool = True) -> None:
     """``clef-gguf serve`` flags: the shared model flags plus the server's own (``page_flag``: whether
     ``--no-ui`` is one; ``clef-gguf ui`` serves the page, so it has no such flag)."""
-    from clef_gguf.cli_options import add_model_arguments
+    from clef_gguf.runtime.flags import add_model_arguments
 
     add_model_arguments(p)
     g = p.add_argument_group("server")
@@ -191,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
     """Serve until Ctrl-C / SIGTERM (exit 0); a model that fails to load raises its ClefError."""
     import uvicorn
 
-    from clef_gguf.cli_options import load_model
+    from clef_gguf.runtime.flags import load_model
 
     if args.model is None and args.gguf is None:  # fail before binding, not in the background
         raise MissingField("give --model (a model directory or catalog name) or --gguf with "
@@ -199,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
     for name in ("clef_gguf.server", "uvicorn.error"):  # the per-request lines and startup
         logging.getLogger(name).setLevel(logging.INFO)
     if args.engine == "ray-serve":
-        from clef_gguf.bulk import serve_ray
+        from clef_gguf.server import ray_serve as serve_ray
 
         return serve_ray.run(args, create_app)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: "
                         "%(message)s")
-    logging.getLogger("clef_gguf.llama").setLevel(logging.ERROR)
+    logging.getLogger("clef_gguf.tower.llama").setLevel(logging.ERROR)
     try:
         return run(args)
     except ClefError as exc:

@@ -18,8 +18,9 @@ from typing import Any
 
 import pydantic
 
-from clef_gguf import engine, errors
-from clef_gguf.errors import ClefError
+from clef_gguf.runtime import engine
+from clef_gguf.core import errors
+from clef_gguf.core.errors import ClefError
 from clef_gguf.media.sources import MediaPolicy
 from clef_gguf.server import schema
 from clef_gguf.server.http import ApiError

@@ -21,9 +21,9 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from clef_gguf import errors
-from clef_gguf.errors import ClefError
-from clef_gguf.request import parse_json
+from clef_gguf.core import errors
+from clef_gguf.core.errors import ClefError
+from clef_gguf.pipeline.request import parse_json
 
 log = logging.getLogger("clef_gguf.server")
 
@@ -41,7 +41,7 @@ def free_port() -> int:
 
 class ApiError(Exception):
     """A refusal in the API's error body ``{"error": {"code", "message", "field"}}``: one of the
-    registered errors (``clef_gguf.errors``, which holds every code and its status) plus the HTTP
+    registered errors (``clef_gguf.core.errors``, which holds every code and its status) plus the HTTP
     headers that go with it (``Retry-After``, ``WWW-Authenticate``)."""
 
     def __init__(self, error: ClefError, headers: dict[str, str] | None = None) -> None:

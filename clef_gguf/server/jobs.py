@@ -14,14 +14,14 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from clef_gguf import errors
+from clef_gguf.core import errors
 from clef_gguf.server.http import ApiError, client_closed, internal_error
 from clef_gguf.server.workqueue import (Admission, ClientGone, InferenceQueue, Job, PrepareStage,
                                         QueueFull, ShuttingDown)
 
 if TYPE_CHECKING:
-    from clef_gguf import engine
-    from clef_gguf.encode import Prepared
+    from clef_gguf.runtime import engine
+    from clef_gguf.pipeline.encode import Prepared
 
 log = logging.getLogger("clef_gguf.server")
 

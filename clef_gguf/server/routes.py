@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
-from clef_gguf import errors
+from clef_gguf.core import errors
 from clef_gguf.media.sources import INLINE_ONLY, MediaPolicy
 from clef_gguf.server import schema
 from clef_gguf.server.batch import batch_response, compute_items, is_batch, parse_batch, prepare_items

@@ -1,7 +1,7 @@
 """The wire contract as pydantic models: ``/openapi.json`` is generated from them, batch bodies are
 validated by them, and the contract test checks every endpoint's real responses against them.
 
-A single request body is validated by ``clef_gguf.request`` (the reference's semantics: ignored
+A single request body is validated by ``clef_gguf.pipeline.request`` (the reference's semantics: ignored
 keys answered with warnings, any JSON state, errors named by field, in its own order). The request
 models here document that per question type and never refuse a body it accepts (other keys are
 allowed everywhere it ignores them); what JSON Schema cannot say (lone surrogates, prompts too
@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 import pydantic
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, PlainValidator, Tag
 
-from clef_gguf import request
+from clef_gguf.pipeline import request
 
 IGNORED = ("other keys are ignored and named in the response's warnings; options.strict "
            "refuses them")
@@ -32,7 +32,7 @@ def _as_is(value: Any) -> Any:
 class ErrorDetail(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    code: str = Field(description="stable (clef_gguf.errors), e.g. invalid_value, "
+    code: str = Field(description="stable (clef_gguf.core.errors), e.g. invalid_value, "
                                   "context_too_large, unsupported, queue_full")
     message: str
     field: str | None = Field(description="dotted path of the offending request field")
@@ -136,7 +136,7 @@ class SystemOneRequest(BaseModel):
                                                 "max_pixels, do_sample_frames, fps; other keys ignored")
 
 
-# Batch fields passed on as sent, each documented as what it holds: ``clef_gguf.request``
+# Batch fields passed on as sent, each documented as what it holds: ``clef_gguf.pipeline.request``
 # validates them (and names their errors) when their input is prepared, so that a batch input
 # fails alone and with the same error as a single request.
 AnyId = Annotated[Any, PlainValidator(_as_is, json_schema_input_type=str)]

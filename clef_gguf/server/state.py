@@ -11,13 +11,13 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
-from clef_gguf import engine
+from clef_gguf.runtime import engine
 
-from clef_gguf.errors import ClefError, ModelLoading, ModelUnavailable
+from clef_gguf.core.errors import ClefError, ModelLoading, ModelUnavailable
 from clef_gguf.server.http import ApiError
 
 if TYPE_CHECKING:
-    from clef_gguf.answer import Provenance
+    from clef_gguf.pipeline.answer import Provenance
 
 log = logging.getLogger("clef_gguf.server")
 
@@ -114,6 +114,6 @@ def loader_for(model: Any, load_kwargs: dict[str, Any]) -> Callable[[], ServedMo
     """A zero-argument loader: ``model`` itself if callable, else ``Clef.load(model, ...)``."""
     if callable(model):
         return model
-    from clef_gguf.runtime import Clef  # lazy: torch + llama.cpp only once a server starts
+    from clef_gguf.runtime.model import Clef  # lazy: torch + llama.cpp only once a server starts
 
     return lambda: Clef.load(model, **load_kwargs)

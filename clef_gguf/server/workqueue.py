@@ -11,7 +11,7 @@ behind the one it takes); a dispatcher task takes one job at a time and runs it 
 thread, so the event loop never blocks on inference. A job submitted with
 ``decision=(clef, prepared)`` is one decision: the dispatcher takes it together with the decisions
 queued right behind it, up to what the tower's packing policy packs for that prompt
-(``Clef.pack_size``), and runs them through ``clef_gguf.engine`` (several prompts per
+(``Clef.pack_size``), and runs them through ``clef_gguf.runtime.engine`` (several prompts per
 llama_decode, the same answers as one by one, each failure its own job's).
 
 In front of the queue, :class:`PrepareStage` bounds validation + tokenization the same way: a few
@@ -30,10 +30,10 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from clef_gguf import engine
+from clef_gguf.runtime import engine
 
 if TYPE_CHECKING:
-    from clef_gguf.encode import Prepared
+    from clef_gguf.pipeline.encode import Prepared
 
 log = logging.getLogger("clef_gguf.server")
 

@@ -11,9 +11,9 @@ import argparse
 import json
 import statistics
 
-from clef_gguf.argtypes import positive_int
-from clef_gguf.errors import InvalidValue
-from clef_gguf.statecache import StateCache
+from clef_gguf.core.argtypes import positive_int
+from clef_gguf.core.errors import InvalidValue
+from clef_gguf.tower.cache import StateCache
 
 SENTENCE = ("Customer 4471 reports that the March invoice was charged twice and asks for a refund "
             "of the duplicate payment before the end of the week. ")
@@ -75,7 +75,7 @@ def measure(clef, request: dict, repeat: int) -> dict:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from clef_gguf.cli_options import add_model_arguments
+    from clef_gguf.runtime.flags import add_model_arguments
 
     add_model_arguments(p)
     p.add_argument("--tokens", type=positive_int, default=400, help="prompt size to aim for (default 400)")
@@ -109,7 +109,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from clef_gguf.cli_options import load_model
+    from clef_gguf.runtime.flags import load_model
 
     with load_model(args) as clef:
         if args.versus:

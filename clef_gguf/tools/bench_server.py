@@ -28,8 +28,8 @@ from pathlib import Path
 
 import httpx
 
-from clef_gguf.argtypes import megabytes, positive_int
-from clef_gguf.errors import ClefError
+from clef_gguf.core.argtypes import megabytes, positive_int
+from clef_gguf.core.errors import ClefError
 from clef_gguf.server.http import free_port
 
 DISTINCT = 16

@@ -22,36 +22,10 @@ from typing import Any
 
 import numpy as np
 
-from clef_gguf import errors
+from clef_gguf.convert.samples import SAMPLE_REQUESTS
+from clef_gguf.core import errors
 
 # Requests exercising every question type, short and long states, JSON and text: data, not code.
-SAMPLE_REQUESTS: list[dict[str, Any]] = [
-    {"state": "Invoice INV-2291 for $1,250.00 was due on 2026-10-01 and is still unpaid.",
-     "questions": {
-         "overdue": {"type": "noul", "instructions": "Is the invoice overdue?"},
-         "action": {"type": "choice", "instructions": "What should happen next?",
-                    "criteria": {"remind": "Send a payment reminder.", "escalate": None,
-                                 "close": "Close the invoice."}}}},
-    {"state": {"ticket": 48213, "text": "The app crashes when I upload a photo. Third time today!",
-               "plan": "pro", "amount": 19.99},
-     "questions": {
-         "sentiment": {"type": "score", "instructions": "How frustrated is the customer?",
-                       "criteria": ["calm", "annoyed", "angry", "furious"]},
-         "team": {"type": "choice", "criteria": {"mobile": None, "billing": None, "web": None,
-                                                 "infra": "Servers and storage"}},
-         "bug": {"type": "noul"}}},
-    {"state": "deploy 7f3a: 12 pods restarted, p95 latency 2.4s (SLO 800ms), error rate 4.1%. " * 12,
-     "questions": {
-         "rollback": {"type": "noul", "instructions": "Should the deploy be rolled back?"},
-         "severity": {"type": "score", "criteria": ["sev4", "sev3", "sev2", "sev1"]}}},
-    {"state": ["résumé reçu", "naïve café", {"lang": "fr", "score": 0.875}],
-     "questions": {
-         "language": {"type": "choice", "criteria": {"fr": "French", "en": "English",
-                                                     "de": "German", "es": "Spanish"}},
-         "complete": {"type": "noul", "criteria": {"true": "All fields present", "false": None}}}},
-]
-
-
 @dataclass
 class ParityReport:
     model: str
@@ -77,7 +51,7 @@ class Reference:
             import transformers
         except ImportError:
             raise errors.ClefError("parity needs transformers: pip install 'clef-gguf[parity]'") from None
-        from clef_gguf.encode import Encoder
+        from clef_gguf.pipeline.encode import Encoder
         from clef_gguf.heads import load_head
 
         release = Path(release)
@@ -122,8 +96,8 @@ class Reference:
         return final, caught[:-1]
 
     def probabilities(self, request: dict) -> list[np.ndarray]:
-        from clef_gguf.answer import split_probabilities
-        from clef_gguf.request import parse_request
+        from clef_gguf.pipeline.answer import split_probabilities
+        from clef_gguf.pipeline.request import parse_request
 
         torch = self.torch
         enc = self.encoder.encode(parse_request(request))
@@ -189,7 +163,7 @@ def per_request(clef: Any, reference: Reference, requests: list[dict], *,
                 layers: bool = False) -> list[RequestRow]:
     """One row per request. Ours is ``Clef.probabilities`` (the production path); with ``layers`` the
     prompt is decoded once more on the same schedule with every layer's output staged."""
-    from clef_gguf.request import parse_request
+    from clef_gguf.pipeline.request import parse_request
 
     tower = clef.tower
     if layers and not hasattr(tower, "layer_states"):
@@ -220,7 +194,7 @@ def run_parity(clef: Any, reference: Reference, requests: list[dict], *, margin:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from clef_gguf.cli_options import add_model_arguments
+    from clef_gguf.runtime.flags import add_model_arguments
 
     add_model_arguments(p)
     p.add_argument("--release", required=True,
@@ -237,7 +211,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from clef_gguf.cli_options import load_model, read_request
+    from clef_gguf.runtime.flags import load_model, read_request
 
     requests = read_request(args.requests) if args.requests else SAMPLE_REQUESTS
     if not isinstance(requests, list) or not requests:

@@ -22,8 +22,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from clef_gguf.argtypes import positive_int
-from clef_gguf import errors
+from clef_gguf.core.argtypes import positive_int
+from clef_gguf.core import errors
+from clef_gguf.convert.samples import SAMPLE_REQUESTS
 from clef_gguf.tools import parity
 
 DEMO_PRESET, DEMO_SEED = "tiny256", 0
@@ -66,7 +67,7 @@ def measure(release: Path, types: list[str], workdir: Path, *, requests: list[di
     """One row per type, in order; model directories go under ``workdir``."""
     from clef_gguf.convert import quantize
     from clef_gguf.convert.release import convert_release, intermediate_type
-    from clef_gguf.runtime import Clef
+    from clef_gguf.runtime.model import Clef
 
     reference = parity.Reference(release, dtype=reference_dtype)
     ref = [reference.probabilities(r) for r in requests]
@@ -134,7 +135,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import llama_cpp
 
-    from clef_gguf.cli_options import read_request
+    from clef_gguf.runtime.flags import read_request
     from clef_gguf.convert.quantize import canonical_outtype
 
     demo = args.demo or not args.release
@@ -143,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
              else canonical_outtype(t) for t in args.types.split(",") if t.strip()]
     if demo and "f32" not in [t.lower() for t in types]:
         types.insert(0, "f32")  # the converter's own error: the floor every quant adds to
-    requests = read_request(args.requests) if args.requests else parity.SAMPLE_REQUESTS
+    requests = read_request(args.requests) if args.requests else SAMPLE_REQUESTS
     if not isinstance(requests, list) or not requests:
         raise errors.InvalidValue("--requests must hold a non-empty JSON list", field="requests")
     with tempfile.TemporaryDirectory(prefix="clef-quant-table-") as tmp:

@@ -23,10 +23,10 @@ from collections.abc import Callable
 import llama_cpp as ll
 import numpy as np
 
-from clef_gguf import answer
-from clef_gguf.statecache import StateCache
-from clef_gguf.errors import InvalidValue
-from clef_gguf.tower import Tower, extra_buffer_types
+from clef_gguf.pipeline import answer
+from clef_gguf.tower.cache import StateCache
+from clef_gguf.core.errors import InvalidValue
+from clef_gguf.tower.llama_tower import Tower, extra_buffer_types
 
 class BarePrefill:
     """A plain llama.cpp context: logits for the last token of each chunk, nothing else."""

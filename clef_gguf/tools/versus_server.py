@@ -35,8 +35,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from clef_gguf.argtypes import positive_int
-from clef_gguf.errors import InferenceError, InvalidValue, Unsupported
+from clef_gguf.core.argtypes import positive_int
+from clef_gguf.core.errors import InferenceError, InvalidValue, Unsupported
 from clef_gguf.server.http import free_port
 
 if TYPE_CHECKING:
@@ -61,7 +61,7 @@ def upstream_request(request: dict) -> dict:
     choice criteria keep the request order (both sides sort them by key into the prompt). What
     upstream would render differently is refused (``Unsupported``) instead of measured.
     """
-    from clef_gguf.request import parse_request
+    from clef_gguf.pipeline.request import parse_request
 
     if _MARKER in json.dumps(request, ensure_ascii=False):
         raise Unsupported(f"the text holds {_MARKER!r}, which upstream rewrites", field="state")
@@ -96,7 +96,7 @@ def upstream_probabilities(response: dict, request: dict) -> tuple[dict[str, dic
     A noul answer carries p(true) only; choice and score answers carry every option. Anything else
     (an error body, a question missing, an option too many) raises ``InferenceError``.
     """
-    from clef_gguf.request import parse_request
+    from clef_gguf.pipeline.request import parse_request
 
     if not isinstance(response, dict):
         raise InferenceError("llama-server answered with something that is not a JSON object")
@@ -126,8 +126,8 @@ def upstream_probabilities(response: dict, request: dict) -> tuple[dict[str, dic
 
 def our_probabilities(clef, request: dict) -> tuple[dict[str, dict[str, float]], int]:
     """({question: {option: p}}, prompt tokens): our probabilities before the 4-decimal rounding."""
-    from clef_gguf import answer
-    from clef_gguf.statecache import StateCache
+    from clef_gguf.pipeline import answer
+    from clef_gguf.tower.cache import StateCache
 
     saved, clef.state_cache = clef.state_cache, StateCache(0)
     try:
@@ -234,7 +234,7 @@ def ubatch_for(n_tokens: int) -> int:
 
 def _use_ubatch(clef, n_ubatch: int) -> None:
     """Reload our tower at ``n_ubatch`` (llama.cpp fixes it when the context is made)."""
-    from clef_gguf.tower import Tower
+    from clef_gguf.tower.llama_tower import Tower
 
     old = clef.tower
     if old.n_batch == n_ubatch:
@@ -247,7 +247,7 @@ def _use_ubatch(clef, n_ubatch: int) -> None:
 def tower_layout_matches(ours: Path, native: Path) -> bool:
     """Whether our tower and the native file's non-head tensors have the same names, types, shapes."""
     from clef_gguf.convert.split import HEAD_NAMESPACES
-    from clef_gguf.lexical import open_gguf
+    from clef_gguf.pipeline.lexical import open_gguf
 
     def layout(path, skip):
         return {(t.name, t.tensor_type.name, tuple(int(x) for x in t.shape))
@@ -258,9 +258,9 @@ def tower_layout_matches(ours: Path, native: Path) -> bool:
 
 def versus_llama_server(clef, binary: str, native: str, request: dict, state: str,
                         question_sets: list[dict], rounds: int, ubatch: int | None = None) -> dict:
-    from clef_gguf.statecache import StateCache
+    from clef_gguf.tower.cache import StateCache
     from clef_gguf.tools.versus import alternate
-    from clef_gguf.tower import extra_buffer_types
+    from clef_gguf.tower.llama_tower import extra_buffer_types
 
     reuse = [{"state": state, "questions": q} for q in question_sets]
     bodies = [json.dumps(upstream_request(r), ensure_ascii=False).encode() for r in [request] + reuse]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from clef_gguf.errors import InferenceError, InvalidSetting
+from clef_gguf.core.errors import InferenceError, InvalidSetting
 from clef_gguf.vision import load
 from clef_gguf.vision.model import VisionConfig, VisionModel
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from clef_gguf.errors import CorruptModel, ModelNotFound
-from clef_gguf.files import VISION_CONFIG, VISION_WEIGHTS
-from clef_gguf.files import VISION_PREFIXES as PREFIXES
+from clef_gguf.core.errors import CorruptModel, ModelNotFound
+from clef_gguf.formats.files import VISION_CONFIG, VISION_WEIGHTS
+from clef_gguf.formats.files import VISION_PREFIXES as PREFIXES
 from clef_gguf.vision.model import ACTIVATIONS, VisionConfig, VisionModel, rope_inv_freq
 
 FIELD = "vision"

@@ -10,7 +10,7 @@ import pytest
 
 from bulk_helpers import OTHER, SCHEMA, lines, state, write_schema, write_states
 from clef_gguf.cli import main
-from clef_gguf.runtime import Clef
+from clef_gguf.runtime.model import Clef
 
 MODEL_FLAGS = ("--threads", "1", "--max-length", "2048")
 

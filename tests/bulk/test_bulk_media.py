@@ -15,7 +15,7 @@ import pytest
 from bulk_helpers import SCHEMA, lines, run_batch, write_schema
 from clef_gguf.bulk.records import image_uri
 from clef_gguf.cli import main
-from clef_gguf.runtime import Clef
+from clef_gguf.runtime.model import Clef
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "media"))
 from media_helpers import data_uri, encode, exif_rotated_jpeg, picture, png_uri  # noqa: E402

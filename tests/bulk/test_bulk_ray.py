@@ -13,7 +13,7 @@ import httpx
 import psutil
 
 from bulk_helpers import OTHER, SCHEMA, run_batch, state, write_schema, write_states
-from clef_gguf.runtime import Clef
+from clef_gguf.runtime.model import Clef
 
 # the server tests' helpers (a real uvicorn server, a serve child process): on the path when
 # tests/server is collected too, and by this line when tests/bulk runs alone

@@ -9,9 +9,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from bulk_helpers import SCHEMA
-from clef_gguf import errors
+from clef_gguf.core import errors
 from clef_gguf.bulk import records
-from clef_gguf.errors import CorruptOutput, DuplicateId, InvalidInput
+from clef_gguf.core.errors import CorruptOutput, DuplicateId, InvalidInput
 from clef_gguf.bulk.output import Output, read_journal
 
 

@@ -11,8 +11,8 @@ import pytest
 
 from clef_gguf.convert import big
 from clef_gguf.convert.tiny import build_tokenizer
-from clef_gguf.errors import ConversionError
-from clef_gguf.lexical import field_value, open_gguf
+from clef_gguf.core.errors import ConversionError
+from clef_gguf.pipeline.lexical import field_value, open_gguf
 
 TINY_SEED = 0  # the seed of conftest's tiny_release
 
@@ -85,7 +85,7 @@ def test_refuses_without_the_disk_space(tmp_path, monkeypatch):
 
 
 def test_quantized_model_decides_and_leaves_no_intermediate(tmp_path, capsys):
-    from clef_gguf.runtime import Clef
+    from clef_gguf.runtime.model import Clef
 
     assert big.main([str(tmp_path / "m"), "--preset", "tiny256", "--outtype", "q4_k_m", "--threads", "1"]) == 0
     summary = json.loads(capsys.readouterr().out)

@@ -14,10 +14,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
-from clef_gguf import files
+from clef_gguf.formats import files
 from clef_gguf.convert.hf_to_gguf import write_tower
 from clef_gguf.convert.release import convert_release
-from clef_gguf.errors import ConversionError, ModelNotFound
+from clef_gguf.core.errors import ConversionError, ModelNotFound
 
 PARITY_TEXTS = [
     "<|im_start|>user\nIs this message spam? {\"state\": \"Win a free cruise now!!!\"}<|im_end|>",
@@ -59,7 +59,7 @@ def _prompts(release) -> list[np.ndarray]:
 
 def _errors(gguf_path, release, hf_hidden) -> tuple[float, float]:
     """(max |a-b|, max |a-b| / max |b|) over the parity prompts, llama.cpp vs transformers."""
-    from clef_gguf.tower import Tower
+    from clef_gguf.tower.llama_tower import Tower
 
     abs_err, scale = 0.0, 0.0
     with Tower.load(gguf_path, n_ctx=512, threads=2) as tower:
@@ -134,7 +134,7 @@ def test_vocab_is_padded_and_typed(tiny_model_dir, tiny_release):
 def test_llama_tokenizer_agrees_with_tokenizers(tiny_model_dir, tiny_release):
     import llama_cpp as ll
 
-    from clef_gguf.llama import ensure_backend
+    from clef_gguf.tower.llama import ensure_backend
 
     ensure_backend()  # llama.cpp's log to ours, its backend initialised
 

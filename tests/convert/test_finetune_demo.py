@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from clef_gguf import files
+from clef_gguf.formats import files
 from clef_gguf.convert.finetune_demo import build_finetune_checkpoint
-from clef_gguf.finetune_files import AdapterFiles
+from clef_gguf.formats.finetune_files import AdapterFiles
 
 
 def test_checkpoint_layout_is_clef_finetunes(tiny_release, tmp_path):

@@ -18,16 +18,16 @@ import tokenizers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from clef_gguf import files
+from clef_gguf.formats import files
 from clef_gguf.convert import split as split_module
 from clef_gguf.convert.gguf_tokenizer import tokenizer_from_gguf, tokenizer_spec
 from clef_gguf.convert.split import add_split_arguments, run_split, split_native
 from clef_gguf.convert.tiny import PLAIN_ADDED_TOKENS, QWEN_PRETOKENIZE_REGEX, SPECIAL_TOKENS
-from clef_gguf.encode import (FIELD_END, OPTIONS_HEADER, PREFIX, SCHEMA_HEADER, SUFFIX, Encoder,
+from clef_gguf.pipeline.encode import (FIELD_END, OPTIONS_HEADER, PREFIX, SCHEMA_HEADER, SUFFIX, Encoder,
                               option_text, render)
-from clef_gguf.errors import ConversionError
-from clef_gguf.lexical import open_gguf
-from clef_gguf.request import parse_request
+from clef_gguf.core.errors import ConversionError
+from clef_gguf.pipeline.lexical import open_gguf
+from clef_gguf.pipeline.request import parse_request
 # Test modules as helpers: tests/ and tests/convert/ are on sys.path (rootdir-less conftest).
 from test_encode import GOLDEN_BODY, GOLDEN_TEXT
 from test_split import REQUESTS, _assert_decides_alike, _copy_field, write_native

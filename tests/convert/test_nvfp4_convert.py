@@ -19,11 +19,11 @@ from compressed_tensors.quantization import QuantizationConfig
 from compressed_tensors.utils.match import match_named_modules
 from safetensors import safe_open
 
-from clef_gguf import files
+from clef_gguf.formats import files
 from clef_gguf.convert.nvfp4 import SCHEMES, quantize_release
-from clef_gguf.errors import ClefError, ConversionError, ModelNotFound
-from clef_gguf.nvfp4 import format as fmt
-from clef_gguf.tools.parity import SAMPLE_REQUESTS
+from clef_gguf.core.errors import ClefError, ConversionError, ModelNotFound
+from clef_gguf.tower.nvfp4 import format as fmt
+from clef_gguf.convert.samples import SAMPLE_REQUESTS
 
 # The Linear layers the 27B recipe quantizes, by suffix; fused groups share their global scales.
 TARGETS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
@@ -222,8 +222,8 @@ def test_sharded_output_has_an_index(converted):
 # --------------------------------------------------------------------------- W4A4 calibration
 
 def test_input_global_scales_follow_the_calibration_prompts(converted, tiny_release, tmp_path):
-    from clef_gguf.encode import Encoder
-    from clef_gguf.request import parse_request
+    from clef_gguf.pipeline.encode import Encoder
+    from clef_gguf.pipeline.request import parse_request
 
     stored = read_all(converted("nvfp4"))
     # Layer 0's GDN projections read input_layernorm(embed(ids)): their amax, computed directly.

@@ -18,9 +18,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from clef_gguf import Clef, files
+from clef_gguf import Clef
+from clef_gguf.formats import files
 from clef_gguf.convert.split import add_split_arguments, run_split, split_native
-from clef_gguf.errors import ConversionError, ModelNotFound
+from clef_gguf.core.errors import ConversionError, ModelNotFound
 from clef_gguf.heads import load_head
 
 Q8_0, BF16 = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.BF16
@@ -330,9 +331,9 @@ TEMPERATURES = {"clef.decision.temperature.choice": (2.0, F32),
 
 
 def test_upstream_temperatures_are_kept_as_a_calibration_file(tiny_model_dir, tmp_path, capsys):
-    from clef_gguf.answer import split_probabilities
+    from clef_gguf.pipeline.answer import split_probabilities
     from clef_gguf.cli import main
-    from clef_gguf.evaluate.calibration import Calibration
+    from clef_gguf.formats.calibration import Calibration
 
     native = write_native(tiny_model_dir, tmp_path / "t.gguf", keys=TEMPERATURES)
     parser = argparse.ArgumentParser()

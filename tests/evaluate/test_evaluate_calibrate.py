@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from clef_gguf import errors
+from clef_gguf.core import errors
 from clef_gguf.cli import main
 from clef_gguf.evaluate import calibrate, demo, fit, predict
 from clef_gguf.evaluate import records as labelled
@@ -49,7 +49,7 @@ def data(tmp_path_factory):
 @pytest.fixture(scope="module")
 def runs(sharp, data, tmp_path_factory):
     """The sharp f32 and Q4_0 models' logits on the same records (computed once)."""
-    from clef_gguf.runtime import Clef
+    from clef_gguf.runtime.model import Clef
 
     records = list(labelled.read(data))
     root = tmp_path_factory.mktemp("runs")

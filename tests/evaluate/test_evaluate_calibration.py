@@ -8,8 +8,9 @@ import json
 import numpy as np
 import pytest
 
-from clef_gguf import answer, errors
-from clef_gguf.evaluate import calibration as cal
+from clef_gguf.pipeline import answer
+from clef_gguf.core import errors
+from clef_gguf.formats import calibration as cal
 
 BOUND = {"tower_sha256": "t" * 64, "head_sha256": "h" * 64, "head_config_sha256": "c" * 64,
          "prompt_template_sha256": "p" * 64, "adapter_sha256": None}
@@ -74,7 +75,7 @@ def test_split_probabilities_without_temperatures_is_unchanged():
 
 @pytest.fixture(scope="module")
 def tiny_calibration(tiny_model_dir, tmp_path_factory):
-    from clef_gguf.runtime import Clef
+    from clef_gguf.runtime.model import Clef
 
     with Clef.load(tiny_model_dir, threads=1) as clef:
         bound = cal.binding(clef.files, clef.provenance.model_hash, clef.provenance.template_sha256)
@@ -90,7 +91,7 @@ REQUEST = {"state": {"ticket": "refund please"}, "questions": {
 
 
 def test_runtime_applies_the_calibration_and_names_it(tiny_model_dir, tiny_calibration):
-    from clef_gguf.runtime import Clef
+    from clef_gguf.runtime.model import Clef
 
     path, c = tiny_calibration
     with Clef.load(tiny_model_dir, threads=1) as plain:
@@ -110,7 +111,7 @@ def test_runtime_applies_the_calibration_and_names_it(tiny_model_dir, tiny_calib
 
 
 def test_a_calibration_for_other_weights_is_refused_at_load(tiny_model_dir_factory, tiny_calibration):
-    from clef_gguf.runtime import Clef
+    from clef_gguf.runtime.model import Clef
 
     path, _ = tiny_calibration
     with pytest.raises(errors.CalibrationMismatch, match="tower_sha256"):
@@ -118,7 +119,7 @@ def test_a_calibration_for_other_weights_is_refused_at_load(tiny_model_dir_facto
 
 
 def test_a_request_must_name_the_loaded_calibration_or_none_at_all(tiny_model_dir, tiny_calibration):
-    from clef_gguf.runtime import Clef
+    from clef_gguf.runtime.model import Clef
 
     path, c = tiny_calibration
     with Clef.load(tiny_model_dir, threads=1, calibration=path) as calibrated:
@@ -143,7 +144,7 @@ def test_a_request_must_name_the_loaded_calibration_or_none_at_all(tiny_model_di
 
 
 def test_without_a_calibration_the_request_key_is_still_ignored(tiny_model_dir, tiny_calibration):
-    from clef_gguf.runtime import Clef
+    from clef_gguf.runtime.model import Clef
 
     _, c = tiny_calibration
     with Clef.load(tiny_model_dir, threads=1) as plain:

@@ -28,7 +28,7 @@ def same(a, b) -> bool:
 
 @pytest.fixture(scope="module")
 def data(tiny_model_dir, tmp_path_factory):
-    from clef_gguf.runtime import Clef
+    from clef_gguf.runtime.model import Clef
 
     with Clef.load(tiny_model_dir, threads=1) as clef:
         return demo.write(clef, tmp_path_factory.mktemp("data") / "demo.jsonl", 10, seed=3)
@@ -40,7 +40,7 @@ def read_jsonl(path):
 
 def test_one_model_writes_clef_finetunes_rows_and_metrics(tiny_model_dir, data, tmp_path, capsys,
                                                          monkeypatch):
-    from clef_gguf.runtime import Clef
+    from clef_gguf.runtime.model import Clef
 
     out = tmp_path / "eval"
     assert main(["eval", "-m", str(tiny_model_dir), "-d", str(data), "-o", str(out), "--threads", "1"]) == 0
@@ -163,7 +163,7 @@ def test_refusals(tiny_model_dir_factory, data, tmp_path, capsys, monkeypatch):
 def test_a_fine_tune_is_evaluated_with_its_adapter_and_head(tiny_model_dir, tiny_fine_tunes, data, tmp_path,
                                                             capsys):
     """``eval --adapter DIR``: the fine-tune's probabilities and its own model hash, not the base's."""
-    from clef_gguf.runtime import Clef
+    from clef_gguf.runtime.model import Clef
 
     out = tmp_path / "eval-a"
     assert main(["eval", "-m", str(tiny_model_dir), "--adapter", str(tiny_fine_tunes["a"]), "-d", str(data),

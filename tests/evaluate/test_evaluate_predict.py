@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from clef_gguf import errors
+from clef_gguf.core import errors
 from clef_gguf.evaluate import demo, predict
 from clef_gguf.evaluate import records as labelled
 
@@ -21,7 +21,7 @@ def data(tmp_path):
 
 
 def test_resume_recomputes_only_what_the_journal_lacks(tiny_model_dir, data, tmp_path):
-    from clef_gguf.runtime import Clef
+    from clef_gguf.runtime.model import Clef
 
     loads = []
 

@@ -8,7 +8,7 @@ import pytest
 from clef_finetune import data as oracle
 
 from clef_gguf.evaluate import records
-from clef_gguf.request import parse_request
+from clef_gguf.pipeline.request import parse_request
 
 QUESTIONS = {"urgent": {"type": "noul"},
              "route": {"type": "choice", "criteria": {"sales": "s", "billing": "b", "Zeta": "z"}},
@@ -37,7 +37,7 @@ def test_lines_ids_labels_media_and_unreadable(tmp_path):
 
 
 def test_missing_file_is_a_clear_error(tmp_path):
-    from clef_gguf import errors
+    from clef_gguf.core import errors
 
     with pytest.raises(errors.InvalidInput):
         list(records.read(tmp_path / "nope.jsonl"))

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from clef_gguf import errors
+from clef_gguf.core import errors
 from clef_gguf.evaluate import plots, report
 
 COST = {"tower_bytes": 3 << 20, "peak_rss_bytes": 400 << 20, "records_per_s": 12.5, "tokens_per_s": 9000.0}

@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from clef_gguf.errors import ClefError, CorruptModel, HeadMismatch, ModelNotFound
+from clef_gguf.core.errors import ClefError, CorruptModel, HeadMismatch, ModelNotFound
 from clef_gguf.heads import head_scalars, load_head, random_head, read_head_config, save_head
 
 JUDGE = dict(hidden_size=32, width=16, routing_layers=2, layers=4, heads=2, feedforward=24)
@@ -253,7 +253,7 @@ FUZZ = textwrap.dedent(
     """
     import random, shutil, sys
     from pathlib import Path
-    from clef_gguf.errors import ClefError
+    from clef_gguf.core.errors import ClefError
     from clef_gguf.heads import load_head
 
     source = Path(sys.argv[1])

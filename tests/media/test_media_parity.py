@@ -85,9 +85,9 @@ def test_the_nvfp4_backend_sees_the_same_pictures(tiny_model_dir, tiny_nvfp4_dir
     import torch
     import transformers
 
-    from clef_gguf import files
-    from clef_gguf.nvfp4 import format as fmt
-    from clef_gguf.nvfp4.checkpoint import Checkpoint
+    from clef_gguf.formats import files
+    from clef_gguf.tower.nvfp4 import format as fmt
+    from clef_gguf.tower.nvfp4.checkpoint import Checkpoint
 
     directory = tiny_nvfp4_dir("nvfp4a16")
     checkpoint = Checkpoint(directory / files.CHECKPOINT_CONFIG)

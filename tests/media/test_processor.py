@@ -16,7 +16,7 @@ import torch
 from media_helpers import IMAGE, VIDEO, data_uri, exif_rotated_jpeg, png_uri, run_reference
 from tokenizers import Tokenizer
 
-from clef_gguf import errors
+from clef_gguf.core import errors
 from clef_gguf.convert.tiny import TINY_IMAGE_PROCESSOR, TINY_VIDEO_PROCESSOR
 from clef_gguf.media import (INLINE_ONLY, load_images, load_processor_config, load_video_frames, parse_media_kwargs,
                              prepare_media)

@@ -15,7 +15,7 @@ import PIL.Image
 import pytest
 from media_helpers import data_uri, encode, exif_rotated_jpeg, picture
 
-from clef_gguf import errors
+from clef_gguf.core import errors
 from clef_gguf.media import INLINE_ONLY, MediaPolicy, load_image, load_images, load_video_frames
 from clef_gguf.media.sources import url_allowed
 

@@ -8,7 +8,7 @@ from importlib import resources
 
 import pytest
 
-from clef_gguf.errors import ModelNotFound
+from clef_gguf.core.errors import ModelNotFound
 from clef_gguf.models import AUTO, CATALOG_ENV, Catalog, ModelRef, is_catalog_name, load_catalog, parse_name
 
 # BF16 plus the 29 quants of the community GGUF card (shared seeds: clef-flash-gguf-card.md).

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from clef_gguf import errors
+from clef_gguf.core import errors
 from clef_gguf.models import evidence
 from clef_gguf.models.placement import Candidate, Recommendation
 

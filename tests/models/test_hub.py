@@ -10,7 +10,7 @@ import pytest
 from _fakehub import FakeHub, cli_parsers, head_source, point_at, sha256
 from clef_gguf.models import commands, hub, listing
 from clef_gguf.models.machine import GiB, DeviceProfile
-from clef_gguf.errors import ConversionError, CorruptModel, ModelNotFound, NoQuantFits
+from clef_gguf.core.errors import ConversionError, CorruptModel, ModelNotFound, NoQuantFits
 from clef_gguf.models.catalog import Catalog
 
 TOWER_REPO, HEAD_REPO, LOOSE_REPO, NATIVE_REPO = (

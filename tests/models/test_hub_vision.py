@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 from _fakehub import FakeHub, cli_parsers, point_at, tiny_catalog
 from clef_gguf import Clef
 from clef_gguf.convert.tiny import build_release
-from clef_gguf.errors import CorruptModel, ModelNotFound
-from clef_gguf.files import VISION_CONFIG, VISION_WEIGHTS
+from clef_gguf.core.errors import CorruptModel, ModelNotFound
+from clef_gguf.formats.files import VISION_CONFIG, VISION_WEIGHTS
 from clef_gguf.models import commands, hub
 from clef_gguf.models.catalog import CATALOG_ENV
 

@@ -16,9 +16,9 @@ import pytest
 
 from _fakehub import FakeHub, point_at, sha256
 from clef_gguf import Clef
-from clef_gguf import files as model_files
+from clef_gguf.formats import files as model_files
 from clef_gguf.convert import split as split_module
-from clef_gguf.errors import PinMismatch
+from clef_gguf.core.errors import PinMismatch
 from clef_gguf.models import commands, hfcache, hub, listing, pins
 from clef_gguf.models.catalog import CATALOG_ENV, Catalog
 

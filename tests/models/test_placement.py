@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from clef_gguf.errors import NoQuantFits
+from clef_gguf.core.errors import NoQuantFits
 from clef_gguf.models import Catalog, placement
 from clef_gguf.models.machine import GPU, GiB, MiB, DeviceProfile
 from clef_gguf.models.placement import recommend

@@ -14,11 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-from clef_gguf import Clef, errors, files
-from clef_gguf.answer import split_probabilities
-from clef_gguf.nvfp4 import format as fmt
-from clef_gguf.nvfp4.checkpoint import Checkpoint
-from clef_gguf.tools.parity import SAMPLE_REQUESTS
+from clef_gguf import Clef
+from clef_gguf.core import errors
+from clef_gguf.formats import files
+from clef_gguf.pipeline.answer import split_probabilities
+from clef_gguf.tower.nvfp4 import format as fmt
+from clef_gguf.tower.nvfp4.checkpoint import Checkpoint
+from clef_gguf.convert.samples import SAMPLE_REQUESTS
 
 REQUEST = SAMPLE_REQUESTS[1]
 # On the random tiny256 release (seed 0) against its f32 GGUF conversion, over SAMPLE_REQUESTS:
@@ -139,8 +141,8 @@ def test_segments_and_cache_reuse_give_the_same_bytes(model_dir, scheme):
 
 
 def test_the_tower_is_a_language_tower_and_runs_many_one_by_one(clef):
-    from clef_gguf.statecache import StateCache
-    from clef_gguf.towers import LanguageTower
+    from clef_gguf.tower.cache import StateCache
+    from clef_gguf.tower.protocol import LanguageTower
 
     tower = clef.tower
     assert isinstance(tower, LanguageTower) and tower.pack_size(10) == 1

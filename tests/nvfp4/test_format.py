@@ -1,4 +1,4 @@
-"""clef_gguf.nvfp4.format against two references: a plain per-element transcription of the format
+"""clef_gguf.tower.nvfp4.format against two references: a plain per-element transcription of the format
 (design §1.3-§1.5, §3) written here, and compressed-tensors 0.20 itself as an oracle (its pack/unpack,
 quantize/dequantize, fake-quant forward and global-scale code).
 
@@ -19,7 +19,7 @@ from compressed_tensors.quantization.quant_scheme import NVFP4
 from compressed_tensors.quantization.utils import calculate_qparams, compute_dynamic_scales_and_zp, generate_gparam
 from compressed_tensors.quantization.utils.fp4_utils import cast_to_fp4
 
-from clef_gguf.nvfp4 import format as fmt
+from clef_gguf.tower.nvfp4 import format as fmt
 
 WEIGHT_ARGS, ACT_ARGS = NVFP4["weights"], NVFP4["input_activations"]
 MAGNITUDES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from clef_gguf.nvfp4 import format as fmt
-from clef_gguf.nvfp4 import kernels
-from clef_gguf.nvfp4.kernels import NVFP4Linear, kernel_name, native_fp4
+from clef_gguf.tower.nvfp4 import format as fmt
+from clef_gguf.tower.nvfp4 import kernels
+from clef_gguf.tower.nvfp4.kernels import NVFP4Linear, kernel_name, native_fp4
 
 SHAPES = [(64,), (5, 64), (2, 3, 64), (2, 1, 4, 64)]
 

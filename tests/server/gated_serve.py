@@ -13,7 +13,7 @@ import threading
 import time
 from pathlib import Path
 
-from clef_gguf import cli_options
+from clef_gguf.runtime import flags as cli_options
 from clef_gguf.server import app
 
 HOLD_LIMIT_S = 120.0  # a test that never releases must not keep the process alive forever

@@ -14,7 +14,8 @@ import httpx
 import pytest
 from avrik_sdk import AvrikError, Client, RateLimited, choice, noul, score
 
-from clef_gguf import Clef, errors
+from clef_gguf import Clef
+from clef_gguf.core import errors
 from server_helpers import (raw_post, same, DEADLINE_S, QUESTIONS, Gated, ThreadServer, request_body,
                             wait_for)
 

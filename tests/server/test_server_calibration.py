@@ -5,7 +5,7 @@ import httpx
 import pytest
 
 from clef_gguf import Clef
-from clef_gguf.evaluate import calibration as cal
+from clef_gguf.formats import calibration as cal
 from server_helpers import DEADLINE_S, ThreadServer, request_body, same
 
 

@@ -12,8 +12,9 @@ import httpx
 import jsonschema
 import pytest
 
-from clef_gguf import Clef, errors
-from clef_gguf.request import parse_request
+from clef_gguf import Clef
+from clef_gguf.core import errors
+from clef_gguf.pipeline.request import parse_request
 from clef_gguf.server import schema
 from server_helpers import DEADLINE_S, QUESTIONS, Gated, ThreadServer, request_body, wait_for
 

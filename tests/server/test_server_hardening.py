@@ -20,7 +20,7 @@ import threading
 import httpx
 import pytest
 
-import clef_gguf.llama as tower_module  # the llama.cpp bindings: its ll is llama_cpp
+import clef_gguf.tower.llama as tower_module  # the llama.cpp bindings: its ll is llama_cpp
 from clef_gguf import Clef
 from clef_gguf.server import app as server_app
 from server_helpers import raw_post, same, DEADLINE_S, Gated, ThreadServer, request_body, wait_for

@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from clef_gguf import errors
+from clef_gguf.core import errors
 from clef_gguf.server.http import ApiError
 from clef_gguf.server.jobs import JobRunner
 from clef_gguf.server.workqueue import InferenceQueue, PrepareStage

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from clef_gguf import errors
+from clef_gguf.core import errors
 from server_helpers import REPO, serve_process, wait_healthy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "media"))

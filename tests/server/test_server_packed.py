@@ -14,7 +14,8 @@ import httpx
 import numpy as np
 import pytest
 
-from clef_gguf import Clef, errors
+from clef_gguf import Clef
+from clef_gguf.core import errors
 from clef_gguf.server.workqueue import InferenceQueue
 from server_helpers import DEADLINE_S, QUESTIONS, ThreadServer, request_body, same
 

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from clef_gguf import Clef
-from clef_gguf.tools.parity import SAMPLE_REQUESTS, Reference, compare, per_request, run_parity
+from clef_gguf.convert.samples import SAMPLE_REQUESTS
+from clef_gguf.tools.parity import Reference, compare, per_request, run_parity
 
 
 @pytest.fixture(scope="module")

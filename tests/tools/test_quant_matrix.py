@@ -16,12 +16,13 @@ import gguf
 import numpy as np
 import pytest
 
-from clef_gguf import Clef, lexical
+from clef_gguf import Clef
+from clef_gguf.pipeline import lexical
 from clef_gguf.convert import imatrix as im
 from clef_gguf.convert import quantize as qz
 from clef_gguf.convert.release import convert_release
-from clef_gguf.errors import ConversionError
-from clef_gguf.lexical import LexicalRows, _ggml_to_float, open_gguf
+from clef_gguf.core.errors import ConversionError
+from clef_gguf.pipeline.lexical import LexicalRows, _ggml_to_float, open_gguf
 
 pytestmark = pytest.mark.slow
 LIMIT = 240  # seconds per quantizer child: a hang fails the test instead of stalling CI

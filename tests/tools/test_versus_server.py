@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from clef_gguf.errors import InferenceError, Unsupported
+from clef_gguf.core.errors import InferenceError, Unsupported
 from clef_gguf.tools import versus_server as vs
 from clef_gguf.tools.bench import QUESTIONS, REUSE_SETS
 
@@ -126,7 +126,7 @@ def test_option_sets_must_match():
 
 def test_agrees_with_recorded_upstream_answers(tiny_model_dir):
     """The same weights, two runtimes: upstream's ggml head vs our torch head on our tower."""
-    from clef_gguf.runtime import Clef
+    from clef_gguf.runtime.model import Clef
 
     with Clef.load(tiny_model_dir, threads=1) as clef:
         for request, response in zip(REQUESTS, RECORDED):
@@ -197,8 +197,8 @@ def stand_in(tmp_path) -> Path:
 
 
 def test_comparison_against_a_stand_in(tiny_model_dir, stand_in):
-    from clef_gguf.runtime import Clef
-    from clef_gguf.tower import extra_buffer_types
+    from clef_gguf.runtime.model import Clef
+    from clef_gguf.tower.llama_tower import extra_buffer_types
 
     with Clef.load(tiny_model_dir, threads=1) as clef:
         request = {"state": "Invoice 7 is late. " * 5, "questions": QUESTIONS}

@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from clef_gguf import files
+from clef_gguf.formats import files
 from clef_gguf.convert.release import convert_release
-from clef_gguf.errors import ConversionError, CorruptModel, ModelNotFound
+from clef_gguf.core.errors import ConversionError, CorruptModel, ModelNotFound
 from clef_gguf.vision import VISION_CONFIG, VISION_WEIGHTS, VisionTower
 
 

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from clef_gguf.convert.tiny import build_release
-from clef_gguf.errors import InferenceError, InvalidSetting
+from clef_gguf.core.errors import InferenceError, InvalidSetting
 from clef_gguf.vision import VisionTower
 
 # (grids, videos?): one image, one with a non-square grid larger than the position table, one smaller than

@@ -1,0 +1,5 @@
+"""The question types of the SystemOne contract, in the order of the head's ``type_embedding`` rows
+(the head, the request parser and the calibration file all index this one tuple)."""
+
+QUESTION_TYPES = ("noul", "choice", "score")
+TYPE_INDEX = {name: i for i, name in enumerate(QUESTION_TYPES)}  # row of type_embedding

@@ -1,0 +1,135 @@
+"""Which tower runs a model: llama.cpp on a GGUF, or PyTorch on an NVFP4 checkpoint.
+
+Both give the pipeline the same three things: lexical rows (``rows(ids)``, ``hidden_size``,
+``vocab_size``), a tower (``forward(ids, prefix, state, cache)``, ``n_embd``...) and a label
+for the provenance; everything after them (head, answer, API, CLI, server) is shared.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from clef_gguf.core import errors
+from clef_gguf.formats import files as model_files
+
+if TYPE_CHECKING:
+    from clef_gguf.pipeline.lexical import RowStore
+    from clef_gguf.tower.protocol import LanguageTower
+
+BACKENDS = model_files.BACKENDS
+TOWER_ARCH = "qwen35"
+RUNNERS = {"gguf": "llama-cpp-python", "nvfp4": "torch-nvfp4"}
+
+
+def choose(asked: str | None, found: model_files.ModelFiles) -> str:
+    """The backend asked for, checked against what the files are (None/``auto``: the files')."""
+    if asked in (None, "auto"):
+        return found.backend
+    if asked not in BACKENDS:
+        raise errors.InvalidSetting(f"backend must be one of auto, {', '.join(BACKENDS)} (got {asked!r})",
+                                  field="backend")
+    if asked != found.backend:
+        what = {"gguf": "a GGUF tower", "nvfp4": "a compressed-tensors NVFP4 checkpoint"}
+        raise errors.InvalidSetting(f"--backend {asked} needs {what[asked]}, but {found.tower} is "
+                                  f"{what[found.backend]}", field="backend")
+    return asked
+
+
+def gpu_layers(asked: int | str | None, tower: Path, n_embd: int, context: int) -> int | str:
+    """``"all"`` -> -1, a count as given, ``"auto"``: the device policy's placement (all layers when
+    this build can offload and the model fits the GPU, else 0), as ``clef-gguf pick`` reports."""
+    if asked == "all":
+        return -1
+    if asked not in (None, "auto"):
+        return asked  # Tower.load checks it
+    from clef_gguf.tower.llama_tower import gpu_offload
+
+    if not gpu_offload():  # a CPU-only build: nothing to decide, and no probe to run
+        return 0
+    from clef_gguf.models import machine, placement
+    from clef_gguf.models.catalog import load_catalog
+
+    catalog = load_catalog()
+    family = next((f for f in catalog.families.values() if f.architecture.hidden_size == n_embd),
+                  catalog.family("clef-flash"))  # an unknown model: Clef-Flash's memory model
+    return placement.gpu_layers(machine.probe(), tower.stat().st_size, family, context_tokens=context)
+
+
+def device_free_memory(offloaded: bool) -> int:
+    """Bytes the device policy leaves free: the GPU's memory when the tower is offloaded to a GPU of
+    its own, else host RAM. Runs the device probe (``nvidia-smi``): never under the tower's lock."""
+    from clef_gguf.models import machine, placement
+
+    return placement.free_bytes(machine.probe(check_llama=False), on_gpu=offloaded)
+
+
+@dataclass
+class Opened:
+    """A model's tower files, opened far enough to check them; the tower itself loads last."""
+
+    backend: str
+    label: str  # what the vocab is called in errors: "GGUF" or "checkpoint"
+    lexical: RowStore
+    quant: str
+    load_tower: Callable[[int, int | None, int | str], LanguageTower]  # (max_length, threads, gpu_layers)
+    model_hash: Callable[[], str]
+
+    @property
+    def runner(self) -> str:
+        return RUNNERS[self.backend]
+
+
+def open_gguf_tower(found: model_files.ModelFiles) -> Opened:
+    from clef_gguf.pipeline.lexical import LexicalRows, check_header, field_value, file_type_name, open_gguf
+    from clef_gguf.tower.llama_tower import Tower
+
+    # gguf-py validates the whole file table first: llama.cpp aborts on some corrupt files.
+    reader = open_gguf(found.tower)
+    arch = field_value(reader, "general.architecture")
+    if arch != TOWER_ARCH:
+        raise errors.CorruptModel(
+            f"{found.tower.name} has architecture {arch!r}; clef-gguf runs {TOWER_ARCH!r} towers"
+            + (" (convert a native clef GGUF with `clef-gguf convert split`)" if arch == "clef"
+               else ""), field="tower")
+    check_header(reader, found.tower)  # llama.cpp aborts on some bad hyperparameters
+    lexical = LexicalRows(reader)
+
+    def load(max_length: int, threads: int | None, asked: int | str) -> LanguageTower:
+        layers = gpu_layers(asked, found.tower, lexical.hidden_size, max_length)
+        return Tower.load(found.tower, n_ctx=max_length, threads=threads, gpu_layers=layers,
+                          free_memory=device_free_memory)
+
+    return Opened("gguf", "GGUF", lexical, file_type_name(reader), load,
+                  lambda: found.sha256_of(found.tower))
+
+
+def open_nvfp4_tower(found: model_files.ModelFiles) -> Opened:
+    from clef_gguf.tower.nvfp4.checkpoint import Checkpoint
+    from clef_gguf.tower.nvfp4.lexical import CheckpointRows
+
+    checkpoint = Checkpoint(found.tower)
+    lexical = CheckpointRows(checkpoint)
+
+    def load(max_length: int, threads: int | None, asked: int | str) -> LanguageTower:
+        from clef_gguf.tower.nvfp4.tower import NVFP4Tower
+
+        return NVFP4Tower.load(found.tower, n_ctx=max_length, threads=threads, gpu_layers=asked)
+
+    def model_hash() -> str:
+        """One digest over the config and every shard (each hashed once, or as recorded)."""
+        digest = hashlib.sha256()
+        for path in [checkpoint.config_path, *checkpoint.shards]:
+            digest.update(f"{path.name}:{found.sha256_of(path)}\n".encode())
+        return digest.hexdigest()
+
+    return Opened("nvfp4", "checkpoint", lexical, checkpoint.scheme.name, load, model_hash)
+
+
+OPENERS = {"gguf": open_gguf_tower, "nvfp4": open_nvfp4_tower}
+
+
+def open_tower_files(found: model_files.ModelFiles, backend: str | None) -> Opened:
+    return OPENERS[choose(backend, found)](found)
