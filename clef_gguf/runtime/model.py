@@ -19,6 +19,7 @@ import torch
 from clef_gguf.pipeline import answer
 from clef_gguf.runtime import backends, engine, finetunes
 from clef_gguf.core import errors
+from clef_gguf.core.cpus import check_threads, set_torch_threads
 from clef_gguf.formats import files as model_files
 from clef_gguf.tower import cache as statecache
 from clef_gguf.pipeline.encode import DEFAULT_MAX_LENGTH, TEMPLATE_SHA256, Encoded, Encoder, Prepared
@@ -140,9 +141,7 @@ class Clef:
         head_dtype = head_dtype if precision is None else precision
         if head_dtype not in HEAD_DTYPES:
             raise errors.InvalidSetting(f"{asked} must be one of {', '.join(HEAD_DTYPES)}", field=asked)
-        if head_threads is not None and (not isinstance(head_threads, int) or head_threads < 1):
-            raise errors.InvalidSetting(f"head_threads must be a whole number >= 1 (got "
-                                      f"{head_threads!r})", field="head_threads")
+        check_threads(head_threads, "head_threads")
         if not isinstance(state_cache_mb, (int, float)) or not 0 <= state_cache_mb < 1 << 30:
             raise errors.InvalidSetting(f"state_cache_mb must be a size in MiB >= 0 (got "
                                       f"{state_cache_mb!r})", field="state_cache_mb")
@@ -164,7 +163,7 @@ class Clef:
         tower = opened.load_tower(max_length, threads, gpu_layers)
         # The head runs after the tower on the same cores: torch gets as many threads as the
         # tower, not its default of every core (process-wide: torch has one intra-op pool).
-        torch.set_num_threads(head_threads or tower.threads)
+        set_torch_threads(head_threads or tower.threads)
         if tower.n_embd != lexical.hidden_size:
             tower.close()
             raise errors.CorruptModel(f"n_embd {tower.n_embd} != lm_head width "

@@ -15,7 +15,7 @@ from types import TracebackType
 
 import numpy as np
 
-from clef_gguf.core.cpus import available_cpus
+from clef_gguf.core.cpus import available_cpus, check_threads
 from clef_gguf.core.limits import CONTEXT_WINDOW
 from clef_gguf.core.errors import InferenceError, InvalidSetting, ModelNotFound
 from clef_gguf.tower.llama import ATTENTION, _Adapter, _Context, _Model, _Positioned, extra_buffer_types, gpu_offload
@@ -54,9 +54,7 @@ class Tower(PackedDecoding):
         if attention is not None and attention not in ATTENTION:
             raise InvalidSetting(f"attention must be one of {sorted(ATTENTION)} (got {attention!r})",
                                  field="attention")
-        if threads is not None and (not isinstance(threads, int) or threads < 1):
-            raise InvalidSetting(f"threads must be a whole number >= 1 (got {threads!r})",
-                                 field="threads")
+        check_threads(threads)
         if not isinstance(gpu_layers, int) or isinstance(gpu_layers, bool) or gpu_layers < -1:
             raise InvalidSetting(f"gpu_layers must be -1 (all), 0 or a layer count (got "
                                  f"{gpu_layers!r})", field="gpu_layers")

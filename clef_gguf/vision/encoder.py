@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
+from clef_gguf.core.cpus import check_threads, torch_threads
 from clef_gguf.core.errors import InferenceError, InvalidSetting
 from clef_gguf.vision import load
 from clef_gguf.vision.model import VisionConfig, VisionModel
@@ -31,8 +30,7 @@ class VisionTower:
         the pair (vision config path, vision weights path). ``dtype``: float32 (exact) or bfloat16/float16."""
         if dtype not in DTYPES:
             raise InvalidSetting(f"the vision tower runs in float32, bfloat16 or float16, not {dtype}", field="vision")
-        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-            raise InvalidSetting(f"threads must be a whole number >= 1 (got {threads!r})", field="threads")
+        check_threads(threads)
         if isinstance(source, tuple):
             config, sources = load.file_sources(Path(source[0]), Path(source[1]))
             where = Path(source[1])
@@ -71,23 +69,12 @@ class VisionTower:
                                  f"{grid_thw.tolist()}, got {pixel_values.dtype} {list(pixel_values.shape)}",
                                  field="vision")
 
-    @contextlib.contextmanager
-    def _threads(self) -> Iterator[None]:
-        before = torch.get_num_threads()
-        if self.threads and self.threads != before:
-            torch.set_num_threads(self.threads)
-        try:
-            yield
-        finally:
-            if torch.get_num_threads() != before:
-                torch.set_num_threads(before)
-
     def embed(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """The processor's ``pixel_values`` [patches, C·T·P·P] and ``grid_thw`` [n, 3] -> float32
         [sum of n_tokens, out_hidden_size]."""
         pixel_values, grid_thw = torch.as_tensor(pixel_values), torch.as_tensor(grid_thw)
         self.check(pixel_values, grid_thw)
-        with torch.inference_mode(), self._threads():
+        with torch.inference_mode(), torch_threads(self.threads):
             return self.model(pixel_values, grid_thw).float()
 
     def split(self, embeddings: torch.Tensor, grid_thw: torch.Tensor) -> tuple[torch.Tensor, ...]:

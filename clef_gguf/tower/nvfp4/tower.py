@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from clef_gguf.core.cpus import available_cpus
+from clef_gguf.core.cpus import available_cpus, check_threads, set_torch_threads
 from clef_gguf.core.limits import CONTEXT_WINDOW
 from clef_gguf.core.errors import ClefError, InvalidSetting
 from clef_gguf.pipeline.mediaprompt import MediaPrompt
@@ -69,12 +69,11 @@ class NVFP4Tower(SegmentedForward):
     @classmethod
     def load(cls, config_path: str | Path, *, n_ctx: int = CONTEXT_WINDOW, threads: int | None = None,
              gpu_layers: int | str = "auto") -> NVFP4Tower:
-        if threads is not None and (not isinstance(threads, int) or threads < 1):
-            raise InvalidSetting(f"threads must be a whole number >= 1 (got {threads!r})", field="threads")
+        check_threads(threads)
         device = pick_device(gpu_layers)
         checkpoint = Checkpoint(config_path)
         threads = threads or available_cpus()
-        torch.set_num_threads(threads)
+        set_torch_threads(threads)
         model = TextModel(checkpoint, device=device, dtype=DTYPES[device.type])
         tower = cls(checkpoint, model, n_ctx, threads)
         if device.type == "cpu":
