@@ -9,7 +9,8 @@ clean. Screenshots of each state go to ``$CLEF_UI_SCREENSHOTS`` (else the test's
 ``CLEF_UI_README_PNG=1`` also writes docs/ui.png, the README's picture.
 
 The browser and its driver are the system's (``apt-get install chromium chromium-driver``, as CI
-does): the suite never downloads one, and a missing one fails the run instead of skipping it.
+does), found by ``browser_helpers``: the suite never downloads one. Without them these tests are
+skipped with that reason, before any server starts; under ``CLEF_REQUIRE_BROWSER=1`` (CI) they fail.
 """
 
 from __future__ import annotations
@@ -22,19 +23,14 @@ from pathlib import Path
 
 import httpx
 import pytest
-from selenium import webdriver
 from selenium.common.exceptions import NoAlertPresentException
-from selenium.webdriver.chrome.options import Options
-from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
-from selenium.webdriver.common.selenium_manager import SeleniumManager
 from selenium.webdriver.support.ui import WebDriverWait
 
+from browser_helpers import chromium, system_browser
 from server_helpers import DEADLINE_S, REPO, serve_process, wait_healthy
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMEDRIVER = Path("/usr/bin/chromedriver")
 MAX_LENGTH = 1024  # a small window, so that a long state is refused with field "state"
 XSS = "<img src=x onerror=alert(1)>"
 WIDE, NARROW = (1280, 800), (420, 860)
@@ -46,6 +42,12 @@ def ordered(text: str) -> list:
 
 
 # ------------------------------------------------------------------ fixtures
+@pytest.fixture(scope="module", autouse=True)
+def installed_browser() -> None:
+    """The browser rule before anything else of the module (the servers): skip or fail at once."""
+    system_browser()
+
+
 @pytest.fixture(scope="module")
 def shots(tmp_path_factory) -> Path:
     where = os.environ.get("CLEF_UI_SCREENSHOTS")
@@ -75,31 +77,11 @@ def keyed_server(tmp_path_factory, tiny_model_dir):
 
 
 @pytest.fixture()
-def browser(monkeypatch):
-    for path, package in ((CHROMIUM, "chromium"), (CHROMEDRIVER, "chromium-driver")):
-        if not path.exists():
-            pytest.fail(f"{path} is missing: the page's browser tests need Debian's {package} "
-                        f"(apt-get install chromium chromium-driver; .ci/run installs both). The "
-                        f"suite never downloads a browser.", pytrace=False)
-
-    def no_download(*_args, **_kwargs):
-        raise AssertionError("selenium-manager must not run: the system browser is used")
-
-    monkeypatch.setattr(SeleniumManager, "binary_paths", no_download)
-    options = Options()
-    options.binary_location = str(CHROMIUM)
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                "--no-first-run", "--disable-background-networking", "--disable-sync",
-                "--disable-component-update", "--disable-default-apps", "--disable-extensions",
-                f"--window-size={WIDE[0]},{WIDE[1]}"):
-        options.add_argument(arg)
-    options.set_capability("goog:loggingPrefs", {"performance": "ALL", "browser": "ALL"})
-    driver = webdriver.Chrome(service=Service(executable_path=str(CHROMEDRIVER)), options=options)
-    viewport(driver, *WIDE)
-    try:
+def browser():
+    with chromium([f"--window-size={WIDE[0]},{WIDE[1]}"],
+                  {"goog:loggingPrefs": {"performance": "ALL", "browser": "ALL"}}) as driver:
+        viewport(driver, *WIDE)
         yield driver
-    finally:
-        driver.quit()
 
 
 # ------------------------------------------------------------------ helpers
