@@ -1,22 +1,30 @@
 """Every error a user can cause, as a class with a stable ``code``.
 
 The CLI prints ``{"error": {"code", "message", "field"}}`` and the server sends the same body
-with ``status``; the code never changes once released, the message may be reworded.
+with ``status`` and ``headers``; the code never changes once released, the message may be reworded.
+:func:`mapped` turns another library's exceptions into these, by a table.
 """
 
 from __future__ import annotations
 
+import contextlib
+import sys
+from collections.abc import Iterator, Mapping
+
 
 class ClefError(Exception):
-    """Base class: ``code`` (stable), ``message`` (human), ``field`` (request path or None)."""
+    """Base class: ``code`` (stable), ``message`` (human), ``field`` (request path or None), and the
+    ``headers`` the server sends with it (``Retry-After``, ``WWW-Authenticate``...)."""
 
     code = "clef_error"
     status = 500
 
-    def __init__(self, message: str, field: str | None = None) -> None:
+    def __init__(self, message: str, field: str | None = None, *,
+                 headers: Mapping[str, str] | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.field = field
+        self.headers: dict[str, str] = dict(headers or {})
 
     @property
     def exit_code(self) -> int:
@@ -229,8 +237,13 @@ class UnknownModel(ClefError):
 
 
 class Unauthorized(ClefError):
+    """A missing or wrong API key; the challenge tells the client which scheme to use."""
+
     code = "unauthorized"
     status = 401
+
+    def __init__(self, message: str, field: str | None = None, *, realm: str = "clef-gguf") -> None:
+        super().__init__(message, field, headers={"WWW-Authenticate": f'Bearer realm="{realm}"'})
 
 
 class NotFound(ClefError):
@@ -249,8 +262,8 @@ class HttpRefusal(ClefError):
     code = "http_<status>"
     status = 400
 
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
+    def __init__(self, status: int, message: str, *, headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message, headers=headers)
         self.status, self.code = status, f"http_{status}"
 
 
@@ -259,11 +272,20 @@ class BodyTooLarge(ClefError):
     status = 413
 
 
+def _retry_after(seconds: int | None) -> dict[str, str]:
+    return {} if seconds is None else {"Retry-After": str(seconds)}
+
+
 class ServerBusy(ClefError):
-    """Every place in the tokenizer stage or the model's queue is taken: retry later."""
+    """Every place in the tokenizer stage or the model's queue is taken: retry after
+    ``retry_after`` seconds (the ``Retry-After`` header; avrik-sdk backs off on it)."""
 
     code = "queue_full"
     status = 429
+
+    def __init__(self, message: str, field: str | None = None, *, retry_after: int = 1) -> None:
+        super().__init__(message, field, headers=_retry_after(retry_after))
+        self.retry_after = retry_after
 
 
 class ClientClosed(ClefError):
@@ -277,6 +299,9 @@ class ModelLoading(ClefError):
     code = "model_loading"
     status = 503
 
+    def __init__(self, message: str, field: str | None = None, *, retry_after: int | None = None) -> None:
+        super().__init__(message, field, headers=_retry_after(retry_after))
+
 
 class ModelUnavailable(ClefError):
     """The served model failed to load."""
@@ -286,8 +311,14 @@ class ModelUnavailable(ClefError):
 
 
 class ServerShuttingDown(ClefError):
+    """The server stopped before this request ran. ``retry_after=None``: no ``Retry-After`` (what a
+    request cut off by the drain timeout is told)."""
+
     code = "shutting_down"
     status = 503
+
+    def __init__(self, message: str, field: str | None = None, *, retry_after: int | None = 1) -> None:
+        super().__init__(message, field, headers=_retry_after(retry_after))
 
 
 class NotComputed(ClefError):
@@ -327,3 +358,39 @@ class CalibrationNotBetter(ClefError):
 
     code = "calibration_not_better"
     status = 422
+
+
+# ---------------------------------------------------------------- foreign exceptions
+# Never turned into another error: ours already name their field, and an interrupt or a
+# cancellation is the user's or the event loop's, not the file's.
+_PASSING: tuple[type[BaseException], ...] = (ClefError, KeyboardInterrupt, SystemExit, GeneratorExit)
+
+
+def _passes(exc: BaseException) -> bool:
+    if isinstance(exc, _PASSING):
+        return True
+    asyncio = sys.modules.get("asyncio")  # no CancelledError can exist before asyncio is imported
+    return asyncio is not None and isinstance(exc, asyncio.CancelledError)
+
+
+@contextlib.contextmanager
+def mapped(table: Mapping[type[BaseException], type[ClefError]], *, field: str | None,
+           what: object) -> Iterator[None]:
+    """Raise what the block raises as the ClefError ``table`` maps its type to, with ``field`` and
+    the message ``"{what}: {the foreign message's first line}"``; an exception the table does not
+    map passes unchanged.
+
+    The entry for the exception's most specific class wins, whatever the table's order: in
+    ``{Exception: CorruptModel, OSError: ModelNotFound}`` an OSError is ModelNotFound.
+    ``BaseException`` may be mapped (pyo3's PanicException, a Rust panic in a parser, derives from
+    it): interrupts, exits, cancellations and ClefErrors are never mapped.
+    """
+    try:
+        yield
+    except BaseException as exc:
+        kind = None if _passes(exc) else next((table[c] for c in type(exc).__mro__ if c in table), None)
+        if kind is None:
+            raise
+        # The first line only: the message goes in one JSON field, and pydantic's run to a page.
+        detail = next(iter(str(exc).strip().splitlines()), "") or type(exc).__name__
+        raise kind(f"{what}: {detail}", field=field) from exc

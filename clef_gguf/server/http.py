@@ -15,7 +15,7 @@ import re
 import socket
 import time
 import uuid
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
@@ -39,29 +39,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class ApiError(Exception):
-    """A refusal in the API's error body ``{"error": {"code", "message", "field"}}``: one of the
-    registered errors (``clef_gguf.core.errors``, which holds every code and its status) plus the HTTP
-    headers that go with it (``Retry-After``, ``WWW-Authenticate``)."""
+def error_response(error: ClefError) -> Response:
+    """The API's error body ``{"error": {"code", "message", "field"}}`` of a registered error
+    (``clef_gguf.core.errors`` holds every code, its status and its headers)."""
+    return json_response(error.to_dict(), error.status, error.headers)
 
-    def __init__(self, error: ClefError, headers: dict[str, str] | None = None) -> None:
-        super().__init__(error.message)
-        self.error = error
-        self.headers = headers or {}
 
-    @property
-    def status(self) -> int:
-        return self.error.status
-
-    @property
-    def code(self) -> str:
-        return self.error.code
-
-    def body(self) -> dict[str, Any]:
-        return self.error.to_dict()
-
-    def response(self) -> Response:
-        return json_response(self.body(), self.status, self.headers)
+def ApiError(error: ClefError, headers: Mapping[str, str] | None = None) -> ClefError:
+    """``error`` with ``headers`` added: only for server/state.py and server/batch.py, which still
+    raise ``ApiError(...)``; anything else raises the registered error itself."""
+    error.headers.update(headers or {})
+    return error
 
 
 def dumps(obj: Any) -> bytes:
@@ -87,36 +75,31 @@ async def read_json(request: Request, max_bytes: int) -> Any:
     length = request.headers.get("content-length")
     if length is not None:
         if not length.isdigit():
-            raise ApiError(errors.InvalidContentLength("Content-Length is not a number"))
+            raise errors.InvalidContentLength("Content-Length is not a number")
         if int(length) > max_bytes:
-            raise ApiError(errors.BodyTooLarge(f"the body is {int(length)} bytes; the limit is "
-                                               f"{max_bytes}"))
+            raise errors.BodyTooLarge(f"the body is {int(length)} bytes; the limit is {max_bytes}")
     chunks, size = [], 0
     try:
         async for chunk in request.stream():
             size += len(chunk)
             if size > max_bytes:
-                raise ApiError(errors.BodyTooLarge(f"the body exceeds the limit of {max_bytes} "
-                                                   "bytes"))
+                raise errors.BodyTooLarge(f"the body exceeds the limit of {max_bytes} bytes")
             chunks.append(chunk)
     except ClientDisconnect:  # gone mid-body: nobody to answer, and no server fault to log
         note(request, client_gone=True)
         raise client_closed() from None
-    try:
-        return parse_json(b"".join(chunks))
-    except ClefError as exc:
-        raise ApiError(exc) from None
+    return parse_json(b"".join(chunks))
 
 
-def internal_error(exc: BaseException) -> ApiError:
+def internal_error(exc: BaseException) -> errors.InternalError:
     """A fault of ours, not the request's: 500 naming the exception (a local server, so the
     message helps the one person who reads it more than it leaks)."""
-    return ApiError(errors.InternalError(f"{type(exc).__name__}: {exc}"))
+    return errors.InternalError(f"{type(exc).__name__}: {exc}")
 
 
-def client_closed() -> ApiError:
+def client_closed() -> errors.ClientClosed:
     """What a request whose client left answers: never sent, but logged as 499."""
-    return ApiError(errors.ClientClosed("the client disconnected"))
+    return errors.ClientClosed("the client disconnected")
 
 
 async def until_disconnect(request: Request) -> None:
@@ -207,10 +190,8 @@ class RequestContext:
         try:
             if self._key is not None and scope["path"] not in self._open \
                     and not self._authorized(headers):
-                err = ApiError(errors.Unauthorized("missing or wrong API key; send "
-                                                   "'Authorization: Bearer <key>'"),
-                               headers={"WWW-Authenticate": 'Bearer realm="clef-gguf"'})
-                await err.response()(scope, receive, send_with_id)
+                refused = errors.Unauthorized("missing or wrong API key; send 'Authorization: Bearer <key>'")
+                await error_response(refused)(scope, receive, send_with_id)
             else:
                 await self.app(scope, receive, send_with_id)
         finally:

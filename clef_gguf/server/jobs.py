@@ -3,8 +3,9 @@
 
 The runner knows nothing of HTTP: it talks to the request through :class:`Client` (has it left?
 note this fact for its log line), so it runs under a test with a stand-in client as it runs under
-the routes. Every refusal leaves here as an ``ApiError`` of the one registry (``queue_full`` with
-``Retry-After``, ``shutting_down``, ``client_closed``, the model's own error, ``internal_error``).
+the routes. Every refusal leaves here as an error of the one registry, with its headers
+(``queue_full`` and ``shutting_down`` with ``Retry-After``, ``client_closed``, the model's own
+error, ``internal_error``).
 """
 
 from __future__ import annotations
@@ -15,9 +16,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from clef_gguf.core import errors
-from clef_gguf.server.http import ApiError, client_closed, internal_error
-from clef_gguf.server.workqueue import (Admission, ClientGone, InferenceQueue, Job, PrepareStage,
-                                        QueueFull, ShuttingDown)
+from clef_gguf.server.http import internal_error
+from clef_gguf.server.workqueue import Admission, InferenceQueue, Job, PrepareStage
 
 if TYPE_CHECKING:
     from clef_gguf.runtime import engine
@@ -42,16 +42,6 @@ class Client(Protocol):
         ...
 
 
-def shutting_down() -> ApiError:
-    return ApiError(errors.ServerShuttingDown("the server is shutting down"),
-                    headers={"Retry-After": "1"})
-
-
-def busy(why: str, retry_after: int) -> ApiError:
-    return ApiError(errors.ServerBusy(f"{why}; retry later"),
-                    headers={"Retry-After": str(retry_after)})
-
-
 class JobRunner:
     """Admits requests to ``stage``, prepares them there, and runs their jobs on ``queue``."""
 
@@ -59,38 +49,25 @@ class JobRunner:
         self.queue, self.stage = queue, stage
 
     def admit(self) -> Admission:
-        """A place in the tokenizer stage, taken before the body is read."""
-        try:
-            return self.stage.admit()
-        except QueueFull as exc:  # unread: uvicorn discards the rest of the body itself
-            raise busy(f"{self.stage.max_waiting} requests are already waiting to be tokenized",
-                       exc.retry_after) from None
-        except ShuttingDown:
-            raise shutting_down() from None
+        """A place in the tokenizer stage, taken before the body is read (when refused, uvicorn
+        discards the unread body itself)."""
+        return self.stage.admit()
 
     async def prepare(self, client: Client, admission: Admission, fn: Callable[..., Any],
                       *args: Any) -> Any:
         """``fn(*args)`` on a tokenizer thread (validate + tokenize); releases ``admission``."""
         try:
             return await self.stage.run(admission, fn, *args, gone=client.disconnected)
-        except ClientGone:
+        except errors.ClientClosed:
             client.note(client_gone=True)
-            raise client_closed() from None
-        except errors.ClefError as exc:
-            raise ApiError(exc) from None
+            raise
 
     async def compute(self, client: Client, fn: Callable[[Job], Any],
                       decision: tuple[engine.Model, Prepared] | None = None) -> Any:
         """Queue ``fn`` on the worker and wait; None if the client left (job dropped).
         ``decision=(clef, prepared)``: ``fn`` is ``clef.run(prepared)``, which the queue may pack
         with the decisions waiting behind it (several prompts per llama_decode, same answers)."""
-        try:
-            job = self.queue.submit(fn, decision=decision)
-        except QueueFull as exc:
-            raise busy(f"{self.queue.maxsize} requests are already waiting for the model",
-                       exc.retry_after) from None
-        except ShuttingDown:
-            raise shutting_down() from None
+        job = self.queue.submit(fn, decision=decision)
         try:
             left = await client.left_before(job.future)
         except asyncio.CancelledError:  # uvicorn gave up on this request: never leave it queued
@@ -103,11 +80,11 @@ class JobRunner:
             return None
         try:
             return job.future.result()
-        except ShuttingDown:
-            raise shutting_down() from None
+        except errors.ServerShuttingDown:  # the queue's, not the model's: no inference failed
+            raise
         except errors.ClefError as exc:  # InferenceError (llama_decode failed) included: a 5xx
             log.error("inference failed: %s", exc)
-            raise ApiError(exc) from None
+            raise
         except Exception as exc:
             log.exception("inference failed")
             raise internal_error(exc) from None

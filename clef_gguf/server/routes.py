@@ -23,7 +23,7 @@ from clef_gguf.core import errors
 from clef_gguf.media.sources import INLINE_ONLY, MediaPolicy
 from clef_gguf.server import schema
 from clef_gguf.server.batch import batch_response, compute_items, is_batch, parse_batch, prepare_items
-from clef_gguf.server.http import (ApiError, RequestClient, client_closed, internal_error,
+from clef_gguf.server.http import (RequestClient, client_closed, error_response, internal_error,
                                    json_response, note, read_json)
 from clef_gguf.server.jobs import JobRunner
 from clef_gguf.server.state import LOADING_RETRY_AFTER, Served, ServedModel
@@ -60,7 +60,7 @@ class Routes:
         result = await self.runner.compute(client, lambda _job: clef.run(prepared),
                                            (clef, prepared))
         if result is None:
-            return client_closed().response()
+            return error_response(client_closed())
         response, timings = result
         if response.get("model") is None:  # SystemOne clients may omit it; name what answered
             response["model"] = clef.info.get("name")
@@ -76,7 +76,7 @@ class Routes:
         # All refused: answered without queueing.
         if any(i.prepared is not None for i in items) and await self.runner.compute(
                 client, lambda job: compute_items(clef, items, job)) is None:
-            return client_closed().response()
+            return error_response(client_closed())
         return json_response(batch_response(items, model or clef.info.get("name"), clef))
 
     async def guarded(self, request: Request, handler: Handler) -> Response:
@@ -87,9 +87,9 @@ class Routes:
             admission = self.runner.admit()
             body = await read_json(request, self.max_body_bytes)
             return await handler(request, clef, body, admission)
-        except ApiError as exc:
+        except errors.ClefError as exc:
             note(request, error=exc.code)
-            return exc.response()
+            return error_response(exc)
         except asyncio.CancelledError:
             # uvicorn cancels requests only when --drain-timeout ran out at shutdown: answer in
             # the API's shape (it would send a bare-text 500) and let the task end normally.
@@ -97,13 +97,13 @@ class Routes:
             if task is not None:
                 task.uncancel()
             note(request, error=errors.ServerShuttingDown.code)
-            return ApiError(errors.ServerShuttingDown(
+            return error_response(errors.ServerShuttingDown(
                 "the server stopped before this request was answered (--drain-timeout ran "
-                "out)")).response()
+                "out)", retry_after=None))
         except Exception as exc:  # a bug: still the API's body, the request id and a log line
             log.exception("request failed")
             note(request, error=errors.InternalError.code)
-            return internal_error(exc).response()
+            return error_response(internal_error(exc))
         finally:
             if admission is not None:
                 admission.release()  # refused before or while preparing
@@ -127,14 +127,14 @@ class Routes:
     async def models(self) -> Response:
         try:
             served = self.served.require()
-        except ApiError as exc:
-            return exc.response()
+        except errors.ClefError as exc:
+            return error_response(exc)
         # The default model first, then the others (the base and its fine-tunes) by name.
-        ordered = sorted(served.models.items(), key=lambda item: (item[1] is not served, item[0]))
+        default = served.provenance.model_name if served.provenance is not None else None
         entries = []
-        for _, model in ordered:
+        for name, model in sorted(served.models.items(), key=lambda item: (item[0] != default, item[0])):
             info = dict(model.info)
-            entries.append({"name": info.pop("name"), **info, "default": model is served})
+            entries.append({"name": info.pop("name"), **info, "default": name == default})
         return json_response({"models": entries})
 
     async def health(self) -> Response:
@@ -181,16 +181,18 @@ class Routes:
 async def http_error(_request: Request, exc: HTTPException) -> Response:
     """404, 405 and whatever else Starlette refuses, in the API's error body."""
     kind = HTTP_CODES.get(exc.status_code)
-    error = kind(str(exc.detail)) if kind else errors.HttpRefusal(exc.status_code, str(exc.detail))
-    return ApiError(error, headers=dict(exc.headers or {})).response()
+    headers = dict(exc.headers or {})  # 405's Allow
+    error = kind(str(exc.detail), headers=headers) if kind \
+        else errors.HttpRefusal(exc.status_code, str(exc.detail), headers=headers)
+    return error_response(error)
 
 
 async def query_error(_request: Request, exc: RequestValidationError) -> Response:
     first = exc.errors()[0]
-    return ApiError(errors.InvalidValue(first.get("msg", "invalid parameter"), field=".".join(
-        str(p) for p in first.get("loc", ())))).response()
+    return error_response(errors.InvalidValue(first.get("msg", "invalid parameter"), field=".".join(
+        str(p) for p in first.get("loc", ()))))
 
 
 async def unhandled(_request: Request, exc: Exception) -> Response:
     log.error("unhandled error", exc_info=exc)
-    return internal_error(exc).response()
+    return error_response(internal_error(exc))

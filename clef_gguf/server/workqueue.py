@@ -30,6 +30,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+from clef_gguf.core import errors
 from clef_gguf.runtime import engine
 
 if TYPE_CHECKING:
@@ -38,16 +39,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("clef_gguf.server")
 
 
-class QueueFull(Exception):
-    """No room in the queue: answer 429 with ``Retry-After: retry_after`` (seconds)."""
-
-    def __init__(self, retry_after: int) -> None:
-        super().__init__(f"queue full; retry after {retry_after} s")
-        self.retry_after = retry_after
-
-
-class ShuttingDown(Exception):
-    """The server stopped before this job ran."""
+def _stopping() -> errors.ServerShuttingDown:
+    return errors.ServerShuttingDown("the server is shutting down")
 
 
 class Job:
@@ -86,7 +79,7 @@ class Job:
 
 
 class InferenceQueue:
-    """``maxsize`` jobs may wait while one runs; more are refused with :class:`QueueFull`."""
+    """``maxsize`` jobs may wait while one runs; more are refused with ``errors.ServerBusy``."""
 
     def __init__(self, maxsize: int, *, thread_name: str = "clef-worker") -> None:
         if maxsize < 1:
@@ -125,7 +118,7 @@ class InferenceQueue:
             except asyncio.CancelledError:
                 pass
         while self._waiting:
-            self._settle(self._waiting.popleft(), exc=ShuttingDown("the server is shutting down"))
+            self._settle(self._waiting.popleft(), exc=_stopping())
         if self._executor is not None:
             # Waits for a pass already inside the model: never leave llama.cpp mid-decode.
             await asyncio.get_running_loop().run_in_executor(
@@ -151,14 +144,15 @@ class InferenceQueue:
 
     def submit(self, fn: Callable[[Job], Any], *,
                decision: tuple[engine.Model, Prepared] | None = None) -> Job:
-        """Queue ``fn`` (it receives its :class:`Job`); raise QueueFull or ShuttingDown at once.
+        """Queue ``fn`` (it receives its :class:`Job`); ServerBusy or ServerShuttingDown at once.
         ``decision=(clef, prepared)`` says ``fn`` is ``clef.run(prepared)``: it may then run packed
         with the decisions queued behind it, its result the same."""
         if self._closed or self._arrived is None:
-            raise ShuttingDown("the server is shutting down")
+            raise _stopping()
         job = Job(fn, asyncio.get_running_loop().create_future(), decision)
         if len(self._waiting) >= self.maxsize:
-            raise QueueFull(self.retry_after())
+            raise errors.ServerBusy(f"{self.maxsize} requests are already waiting for the model; "
+                                    "retry later", retry_after=self.retry_after())
         self._waiting.append(job)
         self._arrived.set()
         return job
@@ -188,7 +182,7 @@ class InferenceQueue:
                 result = await loop.run_in_executor(self._executor, job.fn, job)
             except asyncio.CancelledError:
                 # Shutdown while a pass runs: stop() waits for the thread; the waiter is told.
-                self._settle(job, exc=ShuttingDown("the server is shutting down"))
+                self._settle(job, exc=_stopping())
                 raise
             except BaseException as exc:  # noqa: BLE001 - handed to the request that owns it
                 job.finished = time.perf_counter()
@@ -234,7 +228,7 @@ class InferenceQueue:
                                                       [prepared for _, prepared in group]))
         except asyncio.CancelledError:
             for job in jobs:
-                self._settle(job, exc=ShuttingDown("the server is shutting down"))
+                self._settle(job, exc=_stopping())
             raise
         except BaseException as exc:  # noqa: BLE001 - engine.run keeps each Exception in its
             results = [exc] * len(jobs)  # job's place; anything else reaches every owner
@@ -261,10 +255,6 @@ class InferenceQueue:
             job.future.set_result(result)
 
 
-class ClientGone(Exception):
-    """The client disconnected while its request waited for a tokenizer thread."""
-
-
 class Admission:
     """A request's place in :class:`PrepareStage`, held from before its body is read until its
     prepare ends. ``release`` is idempotent, so every exit path may call it."""
@@ -283,7 +273,7 @@ class Admission:
 class PrepareStage:
     """Validation + tokenization (``Clef.prepare``): ``workers`` at once, in threads of their own;
     at most ``max_waiting`` more requests wait for a turn, beyond that :meth:`admit` raises
-    :class:`QueueFull`.
+    ``errors.ServerBusy``.
 
     Why: Starlette's threadpool would run up to 40 prepares at once, outside the model's bounded
     queue, so a flood of large requests would hold every body and its tokens in memory at once
@@ -322,11 +312,12 @@ class PrepareStage:
                 None, functools.partial(self._executor.shutdown, wait=True, cancel_futures=True))
 
     def admit(self) -> Admission:
-        """A place for one request, or QueueFull / ShuttingDown at once."""
+        """A place for one request, or ServerBusy / ServerShuttingDown at once."""
         if self._closed or self._semaphore is None:
-            raise ShuttingDown("the server is shutting down")
+            raise _stopping()
         if self._pending >= self.workers + self.max_waiting:
-            raise QueueFull(self._retry_after())
+            raise errors.ServerBusy(f"{self.max_waiting} requests are already waiting to be "
+                                    "tokenized; retry later", retry_after=self._retry_after())
         self._pending += 1
         return Admission(self)
 
@@ -338,7 +329,7 @@ class PrepareStage:
         try:
             async with self._semaphore:
                 if gone is not None and await gone():
-                    raise ClientGone()
+                    raise errors.ClientClosed("the client disconnected")
                 self.running += 1
                 try:
                     return await asyncio.get_running_loop().run_in_executor(

@@ -6,7 +6,6 @@ import threading
 import pytest
 
 from clef_gguf.core import errors
-from clef_gguf.server.http import ApiError
 from clef_gguf.server.jobs import JobRunner
 from clef_gguf.server.workqueue import InferenceQueue, PrepareStage
 
@@ -61,13 +60,13 @@ def test_prepare_then_compute_answers_and_notes_the_timings():
     asyncio.run(main())
 
 
-def test_refusals_are_registered_api_errors():
+def test_refusals_are_registered_errors():
     async def main():
         runner = await _runner(queue_size=1)
         client = StandIn()
         hold = threading.Event()
         try:
-            with pytest.raises(ApiError) as info:
+            with pytest.raises(errors.ClefError) as info:
                 await runner.prepare(client, runner.admit(), _refuse)
             assert info.value.code == "invalid_value" and info.value.status == 422
             running = asyncio.ensure_future(runner.compute(client, lambda _job: hold.wait(30)))
@@ -75,7 +74,7 @@ def test_refusals_are_registered_api_errors():
                 await asyncio.sleep(0.01)
             queued = asyncio.ensure_future(runner.compute(client, lambda _job: 1))
             await asyncio.sleep(0)
-            with pytest.raises(ApiError) as info:
+            with pytest.raises(errors.ClefError) as info:
                 await runner.compute(client, lambda _job: 2)
             assert (info.value.status, info.value.code) == (429, errors.ServerBusy.code)
             assert int(info.value.headers["Retry-After"]) >= 1
@@ -84,7 +83,7 @@ def test_refusals_are_registered_api_errors():
         finally:
             hold.set()
             await _stop(runner)
-        with pytest.raises(ApiError) as info:
+        with pytest.raises(errors.ClefError) as info:
             await runner.compute(client, lambda _job: 3)
         assert (info.value.status, info.value.code) == (503, "shutting_down")
 

@@ -6,7 +6,9 @@ import threading
 
 import pytest
 
-from clef_gguf.server.workqueue import InferenceQueue, QueueFull, ShuttingDown
+from clef_gguf.core import errors
+from clef_gguf.core.errors import ServerBusy, ServerShuttingDown
+from clef_gguf.server.workqueue import InferenceQueue
 from engine_helpers import Packing, requests
 
 DEADLINE_S = 30
@@ -33,13 +35,13 @@ def _decide(queue: InferenceQueue, model: Packing, request: dict):
 def test_the_bound_refuses_with_retry_after_and_shutdown_fails_the_waiting():
     async def scenario():
         queue = InferenceQueue(2)
-        with pytest.raises(ShuttingDown):
+        with pytest.raises(ServerShuttingDown):
             queue.submit(lambda _job: None)  # not started
         await queue.start()
         gate = await _blocked(queue)
         jobs = [queue.submit(lambda _job, i=i: i) for i in range(2)]
         assert queue.waiting == 2 and queue.waiting_jobs() == tuple(jobs) and queue.busy
-        with pytest.raises(QueueFull) as full:
+        with pytest.raises(ServerBusy) as full:
             queue.submit(lambda _job: None)
         assert 1 <= full.value.retry_after <= 60
         stopping = asyncio.create_task(queue.stop())
@@ -47,9 +49,9 @@ def test_the_bound_refuses_with_retry_after_and_shutdown_fails_the_waiting():
         gate.set()
         await asyncio.wait_for(stopping, DEADLINE_S)
         for job in jobs:
-            with pytest.raises(ShuttingDown):
+            with pytest.raises(ServerShuttingDown):
                 job.future.result()
-        with pytest.raises(ShuttingDown):
+        with pytest.raises(ServerShuttingDown):
             queue.submit(lambda _job: None)
 
     asyncio.run(scenario())
@@ -97,5 +99,6 @@ def test_a_fault_in_a_packed_group_fails_only_its_own_job():
 
     model, results = asyncio.run(scenario())
     assert model.groups == [["boom-1", "x-0", "y-2"]]
-    assert isinstance(results[1], RuntimeError) and str(results[1]) == "tower exploded"
+    # its own fault, as the internal_error it is answered with (engine.as_error logged the traceback)
+    assert isinstance(results[1], errors.InternalError) and results[1].message == "RuntimeError: tower exploded"
     assert results[0][0]["answers"] == "x-0" and results[2][0]["answers"] == "y-2"
