@@ -148,6 +148,8 @@ def test_decide_with_a_fine_tune(tiny_model_dir, tiny_fine_tunes):
     proc = clef_gguf("decide", "-m", tiny_model_dir, *several, stdin=json.dumps(dict(REQUEST, model="b")))
     assert proc.returncode == 0 and json.loads(proc.stdout)["answers"] == want["b"]
     proc = clef_gguf("decide", "-m", tiny_model_dir, *several, stdin=json.dumps(dict(REQUEST, model="c")))
+    assert proc.returncode == 0 and json.loads(proc.stdout)["warnings"][0]["code"] == "unknown_model"
+    proc = clef_gguf("decide", "-m", tiny_model_dir, *several, "--strict", stdin=json.dumps(dict(REQUEST, model="c")))
     assert proc.returncode == 2 and json.loads(proc.stdout)["error"]["code"] == "unknown_model"
     proc = clef_gguf("decide", "-m", tiny_model_dir, "--adapter", tiny_fine_tunes["a"], "--adapter",
                      tiny_fine_tunes["b"], stdin=json.dumps(REQUEST))

@@ -248,9 +248,13 @@ def test_a_state_asked_through_two_finetunes_never_shares_a_cached_state(tiny_mo
 
 # ---------------------------------------------------------------- bad input
 
-def test_unknown_model_name_is_refused_and_the_others_keep_answering(tiny_model_dir, finetunes):
+def test_another_model_name_is_answered_by_the_default_and_refused_only_when_strict(tiny_model_dir, finetunes):
     request = SAMPLE_REQUESTS[0]
-    with Clef.load(tiny_model_dir, adapters={"a": finetunes["a"], "b": finetunes["b"]}, max_length=4096) as clef:
+    adapters = {"a": finetunes["a"], "b": finetunes["b"]}
+    with Clef.load(tiny_model_dir, adapters=adapters, max_length=4096) as clef:
+        got = clef.decide(request | {"model": "c"})
+        assert got["answers"] == clef.decide(request)["answers"] and got["warnings"][0]["code"] == "unknown_model"
+    with Clef.load(tiny_model_dir, adapters=adapters, max_length=4096, strict=True) as clef:
         with pytest.raises(errors.UnknownModel) as caught:
             clef.decide(request | {"model": "c"})
         assert caught.value.code == "unknown_model" and caught.value.field == "model"

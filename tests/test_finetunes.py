@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from clef_gguf.core import errors
-from clef_gguf.runtime.finetunes import cache_tag, named, parse_flags
+from clef_gguf.runtime.finetunes import cache_tag, named
+from clef_gguf.runtime.settings import parse_adapter_flags as parse_flags
 from clef_gguf.runtime.model import Clef
 
 REQUEST = {"state": "The app crashes when I upload a photo. Third time today!",
@@ -67,10 +68,10 @@ def test_cache_tags_differ_by_adapter_and_scale():
 def test_models_and_default(served, tiny_model_dir):
     base_name = served.provenance.model_name
     assert set(served.models) == {base_name, "a", "b"}
-    assert served.default == base_name and served.base is served
+    assert served.default == base_name and served.base is served.models[base_name]
     # One tower: every fine-tune is a view of the base's model.
-    assert all(m.tower._model is served.tower._model for m in served.models.values())
-    assert served.models["a"].tower.adapter_path is not None and served.tower.adapter_path is None
+    assert all(m.tower._model is served.base.tower._model for m in served.models.values())
+    assert served.models["a"].tower.adapter_path is not None and served.base.tower.adapter_path is None
 
 
 def test_each_model_answers_its_own(served, tiny_model_dir, tunes):
@@ -88,12 +89,62 @@ def test_each_model_answers_its_own(served, tiny_model_dir, tunes):
         assert _answers(only_a.decide(dict(REQUEST, model=served.provenance.model_name))) == _answers(base)
 
 
-def test_unknown_model_is_refused(served):
-    with pytest.raises(errors.UnknownModel) as exc:
-        served.prepare(dict(REQUEST, model="nope"))
-    assert exc.value.field == "model" and exc.value.status == 404 and "a, b" in exc.value.message
+def test_a_held_fine_tune_answers_as_itself_on_every_call(served):
+    a = served.models["a"]
+    routed = served.decide(dict(REQUEST, model="a"))
+    assert _answers(a.decide(REQUEST)) == _answers(routed) != _answers(served.decide(REQUEST))
+    assert a.decide(REQUEST)["audit"]["model_hash"] == routed["audit"]["model_hash"]
+    assert [_answers(r) for r in a.decide_many([REQUEST, OTHER])] == \
+        [_answers(r) for r in served.decide_many([dict(REQUEST, model="a"), dict(OTHER, model="a")])]
+    held, via = a.probabilities(REQUEST), served.probabilities(dict(REQUEST, model="a"))
+    assert all((x == y).all() for x, y in zip(held, via))
+    base = served.models[served.default]
+    enc = a.prepare(REQUEST).encoded
+    assert not (a.logits(enc) == base.logits(enc)).all()  # its own head and adapter, not the base's
+    # A held model answers as itself whatever the request's "model" says: it never routes.
+    assert _answers(a.decide(dict(REQUEST, model="b"))) == _answers(routed)
+
+
+def test_another_model_name_is_answered_by_the_default_with_a_warning(served):
+    for name in ("nope", "clef-flash", "@cf/cloudflare/clef-flash", "clef"):  # what clients send
+        got = served.decide(dict(REQUEST, model=name))
+        assert _answers(got) == _answers(served.decide(REQUEST)) and got["model"] == name  # echoed
+        (warning,) = [w for w in got["warnings"] if w["code"] == "unknown_model"]
+        assert warning["field"] == "model" and name in warning["message"] and "a, b" in warning["message"]
     out = list(served.decide_many([dict(REQUEST, model="nope"), dict(REQUEST, model="a")]))
-    assert out[0]["error"]["code"] == "unknown_model" and "answers" in out[1]
+    assert "answers" in out[0] and out[0]["warnings"][0]["code"] == "unknown_model"
+    assert _answers(out[1]) == _answers(served.decide(dict(REQUEST, model="a")))
+
+
+def test_under_strict_another_model_name_is_refused(served, tiny_model_dir, tunes):
+    with pytest.raises(errors.UnknownModel) as exc:
+        served.prepare(dict(REQUEST, model="nope"), strict=True)
+    assert exc.value.field == "model" and exc.value.status == 404 and "a, b" in exc.value.message
+    with Clef.load(tiny_model_dir, adapters=tunes, strict=True) as strict:
+        out = list(strict.decide_many([dict(REQUEST, model="nope"), dict(REQUEST, model="a")]))
+        assert out[0]["error"]["code"] == "unknown_model" and "answers" in out[1]
+
+
+def test_one_bare_fine_tune_answers_the_names_clients_send(tiny_model_dir, tunes, served):
+    with Clef.load(tiny_model_dir, adapters=tunes["a"]) as only_a:
+        want = _answers(served.decide(dict(REQUEST, model="a")))
+        for name in (None, "clef-flash", "clef", "@cf/cloudflare/clef-flash"):
+            got = only_a.decide(dict(REQUEST, **({"model": name} if name else {})))
+            assert _answers(got) == want  # the fine-tune is the default: it answers them all
+
+
+def test_the_family_name_is_an_alias_of_the_base(served):
+    import dataclasses
+
+    from clef_gguf.runtime.registry import Models
+
+    base = served.base
+    named = dataclasses.replace(base, provenance=dataclasses.replace(base.provenance,
+                                                                     model_name="clef-flash:Q8_0@test"))
+    models = Models(named, {"a": served.models["a"]})
+    got = models.decide(dict(REQUEST, model="clef-flash"))
+    assert "warnings" not in got and _answers(got) == _answers(served.decide(REQUEST))
+    assert "warnings" in models.decide(dict(REQUEST, model="clef"))  # another family: not this model
 
 
 def test_without_fine_tunes_any_model_name_is_echoed(tiny_model_dir):

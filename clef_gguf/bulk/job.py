@@ -21,11 +21,12 @@ from pathlib import Path
 from clef_gguf.runtime import engine
 from clef_gguf.core import errors
 from clef_gguf.core.argtypes import positive_int, seconds
-from clef_gguf.bulk import options, records
+from clef_gguf.bulk import records
 from clef_gguf.bulk.output import Output
 from clef_gguf.bulk.progress import Progress
 from clef_gguf.bulk.stopping import Interrupted, Stopper
 from clef_gguf.runtime.flags import add_model_arguments, load_model
+from clef_gguf.runtime.settings import LoadSettings, per_replica_threads
 from clef_gguf.media.sources import MediaPolicy
 
 DEFAULT_LOG_EVERY_S = 10.0
@@ -139,8 +140,8 @@ def _compute(args: argparse.Namespace, pending: Iterator[records.Record],
             stopper.install()
             ready()
 
-        threads = options.per_replica_threads(args.threads_per_replica, args.replicas)
-        ray_engine.run(pending, write, load_kwargs=options.load_kwargs(args, threads),
+        threads = per_replica_threads(args.threads_per_replica, args.replicas)
+        ray_engine.run(pending, write, settings=LoadSettings.from_args(args).for_workers(threads=threads),
                        address=args.ray_address, replicas=args.replicas, threads=threads,
                        window=args.window, truncate_state=args.truncate_state,
                        after_init=after_init, media_policy=policy)

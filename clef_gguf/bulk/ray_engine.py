@@ -24,6 +24,7 @@ from clef_gguf.bulk.deps import need
 from clef_gguf.core.cpus import available_cpus
 from clef_gguf.bulk.records import Record
 from clef_gguf.media.sources import MediaPolicy
+from clef_gguf.runtime.settings import LoadSettings
 
 log = logging.getLogger("clef_gguf.bulk")
 QUIET_LOGGERS = ("ray", "ray.data", "ray.serve")  # their INFO lines would bury the progress
@@ -32,12 +33,12 @@ QUIET_LOGGERS = ("ray", "ray.data", "ray.serve")  # their INFO lines would bury 
 class Decider:
     """A Ray Data callable class: constructed once per actor, called once per batch."""
 
-    def __init__(self, load_kwargs: dict, window: int, truncate_state: bool,
+    def __init__(self, settings: LoadSettings, window: int, truncate_state: bool,
                  media_policy: MediaPolicy | None = None) -> None:
         from clef_gguf.runtime.model import Clef
 
         logging.getLogger("clef_gguf.tower.llama").setLevel(logging.ERROR)
-        self.clef = Clef.load(**load_kwargs)
+        self.clef = Clef.from_settings(settings)
         self.window, self.truncate_state = window, truncate_state
         self.media_policy = media_policy
 
@@ -54,7 +55,7 @@ class Decider:
         return {"index": batch["index"], "record": np.array(out, dtype=object)}
 
 
-def run(records: Iterable[Record], write: Callable[[dict], None], *, load_kwargs: dict,
+def run(records: Iterable[Record], write: Callable[[dict], None], *, settings: LoadSettings,
         address: str | None, replicas: int, threads: int, window: int,
         truncate_state: bool, after_init: Callable[[], None] = lambda: None,
         media_policy: MediaPolicy | None = None) -> None:
@@ -79,7 +80,7 @@ def run(records: Iterable[Record], write: Callable[[dict], None], *, load_kwargs
         context.enable_progress_bars = False  # the job's own progress replaces them
         dataset = ray.data.from_items(items, override_num_blocks=math.ceil(len(items) / window))
         answered = dataset.map_batches(
-            Decider, fn_constructor_kwargs={"load_kwargs": load_kwargs, "window": window,
+            Decider, fn_constructor_kwargs={"settings": settings, "window": window,
                                             "truncate_state": truncate_state,
                                             "media_policy": media_policy},
             batch_size=window, batch_format="numpy", num_cpus=threads,

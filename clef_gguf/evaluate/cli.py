@@ -25,6 +25,7 @@ from clef_gguf.evaluate import agreement, demo, metrics, plots, predict, report,
 from clef_gguf.evaluate import records as labelled
 from clef_gguf.formats.files import sha256_file
 from clef_gguf.runtime.model import Clef
+from clef_gguf.runtime.registry import Models
 
 FORMAT = "clef-gguf-eval/1"
 
@@ -103,7 +104,7 @@ def _directories(out: Path, labels: Sequence[str]) -> list[Path]:
     return dirs
 
 
-def loader(args: argparse.Namespace, model: str, calibration: str | None) -> Callable[[], Clef]:
+def loader(args: argparse.Namespace, model: str, calibration: str | None) -> Callable[[], Models[Clef]]:
     return lambda: load_model(argparse.Namespace(**(vars(args) | {"model": model,
                                                                    "calibration": calibration})))
 
@@ -151,7 +152,7 @@ def run_eval(args: argparse.Namespace) -> int:
             raise errors.InvalidValue(f"{data} exists: demo data is written to a new file",
                                       field="data")
         with loader(args, *pairs[0])() as clef:
-            demo.write(clef, data, args.write_demo_data, seed=args.seed)
+            demo.write(clef.default_model, data, args.write_demo_data, seed=args.seed)
     records = list(labelled.read(data))
     if not records:
         raise errors.InvalidInput(f"{data} holds no records", field="data")

@@ -28,7 +28,10 @@ from clef_gguf.bulk.output import Journal, read_journal
 from clef_gguf.evaluate import records as labelled
 from clef_gguf.evaluate.cost import Cost, PeakRss, file_bytes
 from clef_gguf.media.sources import MediaPolicy
-from clef_gguf.runtime.model import Clef, Prepared
+from clef_gguf.pipeline.answer import Decision
+from clef_gguf.pipeline.encode import Prepared
+from clef_gguf.runtime.model import Clef
+from clef_gguf.runtime.registry import Models
 
 JOURNAL = "records.jsonl"
 RUN = "run.json"
@@ -39,19 +42,19 @@ class LogitsModel:
     probabilities (the calibration's temperatures applied, exactly as the runtime applies them)
     instead of the rounded response."""
 
-    def __init__(self, clef: Clef) -> None:
+    def __init__(self, clef: Models[Clef]) -> None:
         self.clef = clef
 
     def prepare(self, request: Any, *, truncate_state: bool = False,
                 media_policy: MediaPolicy | None = None) -> Prepared:
         return self.clef.prepare(request, truncate_state=truncate_state, media_policy=media_policy)
 
-    def run(self, prepared: Prepared) -> tuple[dict[str, Any], dict[str, float]]:
+    def run(self, prepared: Prepared) -> Decision:
         enc = prepared.encoded
         model = self.clef.answering(prepared)  # the base or the fine-tune the record names
         logits = model.logits(enc)
         probs = answer.split_probabilities(logits, enc.option_counts, model.temperatures(enc))
-        return {"logits": logits, "probs": probs}, {"tokens": float(enc.n_tokens)}
+        return Decision({"logits": logits, "probs": probs}, {"tokens": float(enc.n_tokens)})
 
 
 @dataclass
@@ -93,7 +96,7 @@ def write_json(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
-def run_model(load: Callable[[], Clef], records: list[labelled.LabelledRecord], directory: Path,
+def run_model(load: Callable[[], Clef | Models[Clef]], records: list[labelled.LabelledRecord], directory: Path,
               *, label: str, identity: dict[str, Any], truncate_state: bool = False,
               window: int = engine.WINDOW, progress: bool = True, with_binding: bool = False) -> ModelRun:
     """Compute what ``directory`` does not hold yet, and return every record's line.
@@ -111,13 +114,15 @@ def run_model(load: Callable[[], Clef], records: list[labelled.LabelledRecord], 
               file=sys.stderr, flush=True)
     with PeakRss() as rss:
         t0 = time.perf_counter()
-        with load() as clef:
+        with load() as loaded:
+            clef = Models.of(loaded)  # a loader may give one Clef or the models of --adapter flags
             load_s = time.perf_counter() - t0
             info = {"name": clef.info.get("name"), "quant": clef.info.get("quant"),
                     "backend": clef.info.get("backend"), "model_hash": clef.provenance.model_hash,
                     "calibration_version": clef.provenance.calibration_version}
             if with_binding:
-                info["binding"] = clef.calibration_binding()  # a fine-tune's: its adapter and head
+                # the model that answers by default: a fine-tune's binds its adapter and head too
+                info["binding"] = clef.default_model.calibration_binding()
             wrong = _identity_mismatch(stored.get("info", {}), {"model_hash": info["model_hash"]})
             if wrong:
                 raise errors.InvalidValue(f"{directory} holds results of another model: give a "
@@ -127,8 +132,8 @@ def run_model(load: Callable[[], Clef], records: list[labelled.LabelledRecord], 
             tokens = _compute(LogitsModel(clef), todo, Journal(journal_path), label=label,
                               truncate_state=truncate_state, window=window, progress=progress)
             run_s = time.perf_counter() - t1
-            paths = list(clef.files.paths().values())
-            tower = clef.files.tower
+            paths = list(clef.base.files.paths().values())
+            tower = clef.base.files.tower
             tower_bytes = file_bytes([tower.parent if tower.name == "config.json" else tower])
     cost = Cost(tower_bytes, file_bytes(paths), rss.peak, load_s, run_s, len(todo), tokens)
     write_json(directory / RUN, identity | {"info": info, "cost": cost.to_dict()})

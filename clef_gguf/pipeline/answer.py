@@ -8,12 +8,20 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from clef_gguf.core import errors
 from clef_gguf.pipeline.request import Question, Request
+
+
+class Decision(NamedTuple):
+    """What answering one request gives: the SystemOne response and the time per stage (ms, and
+    ``tokens``), as ``clef-gguf decide --timings`` prints them."""
+
+    response: dict[str, Any]
+    timings: dict[str, float]
 
 
 def softmax32(logits: np.ndarray) -> np.ndarray:

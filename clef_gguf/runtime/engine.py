@@ -24,7 +24,9 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 from clef_gguf.core import errors
+from clef_gguf.pipeline.answer import Decision
 from clef_gguf.pipeline.encode import Prepared
+from clef_gguf.tower.protocol import check_pack
 
 if TYPE_CHECKING:
     from clef_gguf.media.sources import MediaPolicy
@@ -36,8 +38,7 @@ log = logging.getLogger("clef_gguf.runtime.engine")
 WINDOW = 64
 
 T = TypeVar("T")
-Answered = tuple[dict[str, Any], dict[str, float]]  # a response and its timings (``Clef.run``)
-Outcome = Answered | Exception  # what running one request gave: its answer or what it raised
+Outcome = Decision | errors.ClefError  # what running one request gave: its decision, or why not
 
 
 class Model(Protocol):
@@ -47,7 +48,7 @@ class Model(Protocol):
     def prepare(self, request: Any, *, truncate_state: bool = False,
                 media_policy: MediaPolicy | None = None) -> Prepared: ...
 
-    def run(self, prepared: Prepared) -> Answered: ...
+    def run(self, prepared: Prepared) -> Decision: ...
 
 
 @runtime_checkable
@@ -56,8 +57,7 @@ class PackingModel(Model, Protocol):
 
     def pack_size(self, prepared: Prepared) -> int: ...
 
-    def run_many(self, prepared: list[Prepared], *, pack: int | None = None
-                 ) -> list[Answered | errors.ClefError]: ...
+    def run_many(self, prepared: list[Prepared], *, pack: int | None = None) -> list[Outcome]: ...
 
 
 def windows(items: Iterable[T], size: int) -> Iterator[list[T]]:
@@ -72,8 +72,27 @@ def windows(items: Iterable[T], size: int) -> Iterator[list[T]]:
         yield window
 
 
+def as_error(exc: Exception, name: str = "a request") -> errors.ClefError:
+    """A request's failure as the ClefError it answers with. One that is not a ClefError is a fault
+    of ours (a bug, or the tower's): logged with its traceback, answered as ``internal_error``
+    naming the exception."""
+    if isinstance(exc, errors.ClefError):
+        return exc
+    log.error("%s failed", name, exc_info=exc)
+    return errors.InternalError(f"{type(exc).__name__}: {exc}")
+
+
+def attempt(fn: Callable[..., Decision], *args: Any) -> Outcome:
+    """``fn(*args)``, or the ClefError it raised (anything else is raised on: a packed pass that
+    fails outside one request runs its requests again one at a time, see ``_run_group``)."""
+    try:
+        return fn(*args)
+    except errors.ClefError as exc:
+        return exc
+
+
 def prepare(model: Model, request: Any, *, truncate_state: bool = False,
-            media_policy: MediaPolicy | None = None) -> Prepared | Exception:
+            media_policy: MediaPolicy | None = None) -> Prepared | errors.ClefError:
     """The request validated and tokenized, or what refused it (kept in the request's place);
     ``media_policy``: where its images may come from (None: the model's default)."""
     try:
@@ -81,7 +100,7 @@ def prepare(model: Model, request: Any, *, truncate_state: bool = False,
             return model.prepare(request, truncate_state=truncate_state)
         return model.prepare(request, truncate_state=truncate_state, media_policy=media_policy)
     except Exception as exc:  # noqa: BLE001 - this request's failure, answered in its place
-        return exc
+        return as_error(exc)
 
 
 def pack_size(model: Model, prepared: Prepared) -> int:
@@ -121,28 +140,34 @@ def answer(model: Model, requests: Sequence[Any], *, truncate_state: bool = Fals
     ``{"error": {code, message, field}}`` in its place. ``media_policy``: as for ``prepare``."""
     prepared = [prepare(model, request, truncate_state=truncate_state, media_policy=media_policy)
                 for request in requests]
-    ready = [(i, p) for i, p in enumerate(prepared) if not isinstance(p, Exception)]
-    outcomes: list[Outcome | None] = [p if isinstance(p, Exception) else None for p in prepared]
+    ready = [(i, p) for i, p in enumerate(prepared) if not isinstance(p, errors.ClefError)]
+    outcomes: list[Outcome | None] = [p if isinstance(p, errors.ClefError) else None for p in prepared]
     for (i, _), outcome in zip(ready, run(model, [p for _, p in ready], pack=pack)):
         outcomes[i] = outcome
     return [_response(outcome) for outcome in outcomes]
 
 
+def decide_many(model: Model, requests: Iterable[Any], *, truncate_state: bool = False,
+                window: int = WINDOW, pack: int | None = None) -> Iterator[dict[str, Any]]:
+    """``answer`` over consecutive windows of ``requests``, read lazily: within each, requests about
+    the same state run one after another, so its ``[prefix][state]`` is decoded once."""
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise errors.InvalidValue(f"window must be a whole number >= 1 (got {window!r})", field="window")
+    check_pack(pack)
+    for chunk in windows(requests, window):
+        yield from answer(model, chunk, truncate_state=truncate_state, pack=pack)
+
+
 def error_body(exc: Exception, name: str = "a request") -> dict[str, Any]:
-    """``{"code", "message", "field"}`` of a failed request. A failure that is not a ClefError is
-    a fault of ours (a bug, or the tower's): logged with its traceback, and answered as
-    ``internal_error`` naming the exception."""
-    if not isinstance(exc, errors.ClefError):
-        log.error("%s failed", name, exc_info=exc)
-        exc = errors.InternalError(f"{type(exc).__name__}: {exc}")
-    return exc.to_dict()["error"]
+    """``{"code", "message", "field"}`` of a failed request (``as_error``'s)."""
+    return as_error(exc, name).to_dict()["error"]
 
 
 def _response(outcome: Outcome | None) -> dict[str, Any]:
-    if isinstance(outcome, tuple):
-        return outcome[0]
     assert outcome is not None, "run leaves a request unrun only when told to stop"
-    return {"error": error_body(outcome)}
+    if isinstance(outcome, errors.ClefError):
+        return {"error": outcome.to_dict()["error"]}
+    return outcome[0]
 
 
 def _group_size(model: Model, first: Prepared, pack: int | None) -> int:
@@ -165,4 +190,4 @@ def _run_one(model: Model, prepared: Prepared) -> Outcome:
     try:
         return model.run(prepared)
     except Exception as exc:  # noqa: BLE001 - this request's failure, answered in its place
-        return exc
+        return as_error(exc)

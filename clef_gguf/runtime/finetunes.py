@@ -14,7 +14,7 @@ import hashlib
 from collections.abc import Mapping
 from pathlib import Path
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,14 +24,12 @@ from clef_gguf.runtime.backends import TOWER_ARCH
 from clef_gguf.formats import calibration
 from clef_gguf.formats.files import sha256_file
 from clef_gguf.formats.finetune_files import AdapterFiles
+from clef_gguf.runtime.settings import Adapters
 
 if TYPE_CHECKING:
     from clef_gguf.tower.llama_tower import Tower
     from clef_gguf.tower.protocol import LanguageTower
 
-# One fine-tune (a directory: it answers every request) or several by name (the base answers
-# unless a request's ``model`` names one).
-Adapters = Union[str, Path, Mapping[str, Union[str, Path]]]
 
 
 # What the adapter GGUF's header must say (llama.cpp's loader checks the same, in its log only).
@@ -54,25 +52,6 @@ def named(adapters: Adapters | None) -> tuple[dict[str, AdapterFiles], bool]:
             raise errors.InvalidSetting(f"a fine-tune's name must be a non-empty string without '=' "
                                         f"(got {name!r})", field="adapters")
     return {name: AdapterFiles.from_directory(directory) for name, directory in adapters.items()}, False
-
-
-def parse_flags(values: list[str] | None) -> Adapters | None:
-    """``--adapter [NAME=]DIR`` flags -> what ``Clef.load(adapters=)`` takes. One bare DIR: that
-    fine-tune answers; otherwise each needs a NAME (the base answers unless a request names one)."""
-    if not values:
-        return None
-    if len(values) == 1 and "=" not in values[0]:
-        return values[0]
-    out: dict[str, str] = {}
-    for value in values:
-        name, sep, directory = value.partition("=")
-        if not sep or not name or not directory:
-            raise errors.InvalidSetting(f"--adapter {value!r}: with several fine-tunes each is "
-                                        "NAME=DIR", field="adapter")
-        if name in out:
-            raise errors.InvalidSetting(f"--adapter: the name {name!r} is given twice", field="adapter")
-        out[name] = directory
-    return out
 
 
 # What the audit says of a merged fine-tune (``CLEF_FINETUNE.json``, kept in the manifest): who

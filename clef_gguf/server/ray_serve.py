@@ -23,9 +23,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from clef_gguf.bulk import options
 from clef_gguf.bulk.deps import need
 from clef_gguf.core.cpus import available_cpus
+from clef_gguf.runtime.settings import LoadSettings, per_replica_threads
 
 log = logging.getLogger("clef_gguf.server")
 APP_NAME = "clef"
@@ -38,11 +38,11 @@ HEALTH_CHECK_TIMEOUT_S = 60
 class ClefReplica:
     """One Ray Serve replica: a loaded ``Clef`` and the server app around it."""
 
-    def __init__(self, load_kwargs: dict, app_factory: Callable, app_kwargs: dict) -> None:
+    def __init__(self, settings: LoadSettings, app_factory: Callable, app_kwargs: dict) -> None:
         from clef_gguf.runtime.model import Clef
 
         logging.getLogger("clef_gguf.tower.llama").setLevel(logging.ERROR)
-        self.clef = Clef.load(**load_kwargs)
+        self.clef = Clef.from_settings(settings)
         self.app_factory, self.app_kwargs = app_factory, app_kwargs
         self._clef_app = None
 
@@ -58,7 +58,7 @@ class ClefReplica:
             raise RuntimeError(f"the model is {status}")
 
 
-def application(load_kwargs: dict, app_factory: Callable, app_kwargs: dict, *, replicas: int,
+def application(settings: LoadSettings, app_factory: Callable, app_kwargs: dict, *, replicas: int,
                 threads: int, queue_size: int, drain_s: float = 300.0):
     """The Ray Serve application: bind it with ``serve.run``."""
     serve = need("ray.serve", "ray")
@@ -70,14 +70,14 @@ def application(load_kwargs: dict, app_factory: Callable, app_kwargs: dict, *, r
         max_ongoing_requests=queue_size, max_queued_requests=queue_size * replicas,
         health_check_period_s=HEALTH_CHECK_PERIOD_S,
         health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S, graceful_shutdown_timeout_s=drain_s)
-    return deployment.bind(load_kwargs, app_factory, app_kwargs)
+    return deployment.bind(settings, app_factory, app_kwargs)
 
 
 def run(args: argparse.Namespace, app_factory: Callable) -> int:
     """Start Ray (``$RAY_ADDRESS``, else a private one), deploy, serve until Ctrl-C / SIGTERM."""
     ray = need("ray", "ray")
     serve = need("ray.serve", "ray")
-    threads = options.per_replica_threads(args.threads, args.replicas)
+    threads = per_replica_threads(args.threads, args.replicas)
     from clef_gguf.media.sources import served_sources  # the serve flags' sources, as without Ray
 
     app_kwargs = {"api_key": args.api_key, "queue_size": args.queue_size,
@@ -103,7 +103,7 @@ def run(args: argparse.Namespace, app_factory: Callable) -> int:
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
-        app = application(options.load_kwargs(args, threads), app_factory, app_kwargs,
+        app = application(LoadSettings.from_args(args).for_workers(threads=threads), app_factory, app_kwargs,
                           replicas=args.replicas, threads=threads, queue_size=args.queue_size,
                           drain_s=args.drain_timeout)
         serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)

@@ -110,10 +110,12 @@ class Served:
                        headers={"Retry-After": LOADING_RETRY_AFTER})
 
 
-def loader_for(model: Any, load_kwargs: dict[str, Any]) -> Callable[[], ServedModel]:
-    """A zero-argument loader: ``model`` itself if callable, else ``Clef.load(model, ...)``."""
+def loader_for(model: Any, settings: Mapping[str, Any]) -> Callable[[], ServedModel]:
+    """A zero-argument loader: ``model`` itself if callable, else the models ``Clef.load(model,
+    **settings)`` would load, as ``Models`` (routing a request's ``model``)."""
     if callable(model):
         return model
     from clef_gguf.runtime.model import Clef  # lazy: torch + llama.cpp only once a server starts
+    from clef_gguf.runtime.settings import LoadSettings
 
-    return lambda: Clef.load(model, **load_kwargs)
+    return lambda: Clef.from_settings(LoadSettings.of(model=model, **settings))

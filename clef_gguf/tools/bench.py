@@ -111,7 +111,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from clef_gguf.runtime.flags import load_model
 
-    with load_model(args) as clef:
+    with load_model(args) as models:
+        clef = models.default_model  # the model timed: the fine-tune when one --adapter is given
         if args.versus:
             from clef_gguf.tools import versus
 

@@ -1,5 +1,6 @@
 """Several fine-tunes served from one tower: a request's ``model`` picks the base or a fine-tune,
-``/v1/models`` lists them, batches may mix them, an unknown name is a 404 and the others go on.
+``/v1/models`` lists them, batches may mix them, another name is answered by the default with a
+warning (a 404 under ``--strict``) and the others go on.
 
 Every answer must equal the one a process that loaded only that fine-tune gives.
 """
@@ -67,17 +68,34 @@ def test_a_batch_mixes_fine_tunes(http, served, alone):
         assert result["model"] == name and result["model_hash"] == alone[name][i]["audit"]["model_hash"]
 
 
-def test_unknown_model_is_404_and_the_others_go_on(http, alone):
-    out = http.post("/v1/systemone", json=request_body(1, model="nope"))
-    assert out.status_code == 404
-    error = out.json()["error"]
-    assert (error["code"], error["field"]) == ("unknown_model", "model") and "a, b" in error["message"]
+def test_another_model_name_is_answered_by_the_default_and_the_others_go_on(http, served, alone):
+    base = served.provenance.model_name
+    for name in ("nope", "clef-flash"):
+        out = http.post("/v1/systemone", json=request_body(1, model=name))
+        assert out.status_code == 200, out.text
+        got = out.json()
+        assert got["answers"] == alone[base][1]["answers"] and got["model"] == name
+        assert got["warnings"][0]["code"] == "unknown_model" and "a, b" in got["warnings"][0]["message"]
     batch = http.post("/v1/systemone/batch",
                       json={"requests": [request_body(2, model="nope"), request_body(3, model="a")]})
     assert batch.status_code == 200
     first, second = batch.json()["results"]
-    assert first["error"]["code"] == "unknown_model" and second["answers"] == alone["a"][3]["answers"]
+    assert first["answers"] == alone[base][2]["answers"] and second["answers"] == alone["a"][3]["answers"]
     assert same(http.post("/v1/systemone", json=request_body(4, model="b")).json()) == alone["b"][4]
+
+
+def test_under_strict_another_model_name_is_404_and_the_others_go_on(tiny_model_dir, tiny_fine_tunes, alone):
+    with Clef.load(tiny_model_dir, max_length=2048, threads=2, adapters=tiny_fine_tunes, strict=True) as strict, \
+            ThreadServer(strict, max_batch=16) as srv, httpx.Client(base_url=srv.url, timeout=DEADLINE_S) as http:
+        out = http.post("/v1/systemone", json=request_body(1, model="nope"))
+        assert out.status_code == 404
+        error = out.json()["error"]
+        assert (error["code"], error["field"]) == ("unknown_model", "model") and "a, b" in error["message"]
+        batch = http.post("/v1/systemone/batch",
+                          json={"requests": [request_body(2, model="nope"), request_body(3, model="a")]})
+        assert batch.status_code == 200
+        first, second = batch.json()["results"]
+        assert first["error"]["code"] == "unknown_model" and second["answers"] == alone["a"][3]["answers"]
 
 
 @pytest.mark.slow
