@@ -1,7 +1,10 @@
 """Helpers for the server tests: a real uvicorn server on 127.0.0.1 (in a thread or a process),
 and a wrapper that can hold the model's forward pass so queue states are reached exactly.
 
-Every wait is a bounded poll that stops on its own; no assertion depends on elapsed time.
+Every wait is a bounded poll that stops on its own; no assertion depends on elapsed time. A wait
+for something to start (a server process, its model, Ray Serve's replicas, a uvicorn thread) follows
+that thing, not a clock: it lasts as long as the process runs and is still starting, so a loaded
+machine waits longer and a crash fails at once with the process's output (``wait_while_starting``).
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ def same(response) -> dict:
 
 REPO = Path(__file__).resolve().parents[2]
 DEADLINE_S = 60.0  # an upper bound for "should happen": reached only when something is stuck
+# The last resort against a hang, never the measure of "started": a start is waited for while its
+# process runs (``wait_while_starting``); only one that runs on and never gets ready meets this.
+HANG_CAP_S = 600.0
 
 NOUL = {"type": "noul", "instructions": "Is this urgent?"}
 CHOICE = {"type": "choice", "instructions": "Which team?",
@@ -53,6 +59,33 @@ def wait_for(predicate, what: str, deadline: float = DEADLINE_S) -> None:
         if time.monotonic() > end:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.01)
+
+
+def wait_while_starting(ready, what: str, *, alive, report, cap: float = HANG_CAP_S) -> None:
+    """Poll ``ready()`` for as long as ``alive()`` (the process or thread that is starting still
+    runs). Once it has stopped without being ready, fail at once with ``report()`` (its exit status
+    and output). ``cap`` is only the last resort against one that runs on and never gets ready."""
+    end = time.monotonic() + cap
+    while not ready():
+        if not alive():
+            if ready():  # it got there just before it ended (a load thread, say)
+                return
+            raise AssertionError(f"{what}: it stopped before that happened. {report()}")
+        if time.monotonic() > end:
+            raise AssertionError(f"{what}: still running but not there after {cap:.0f} s, the "
+                                 f"last-resort cap against a hang (HANG_CAP_S). {report()}")
+        time.sleep(0.05)
+
+
+def wait_process_ready(proc: subprocess.Popen, ready, what: str) -> None:
+    """``wait_while_starting`` for a child process whose output is in ``proc.log_path`` (as
+    ``serve_process`` makes them): waits while it runs, fails with its output once it exits."""
+    def report() -> str:
+        state = ("still running" if proc.returncode is None
+                 else f"exit status {proc.returncode}")
+        return f"The process: {state}; its output:\n{server_log(proc)}"
+
+    wait_while_starting(ready, what, alive=lambda: proc.poll() is None, report=report)
 
 
 def port_is_free(port: int) -> bool:
@@ -110,9 +143,19 @@ class ThreadServer:
 
     def __enter__(self) -> ThreadServer:
         self.thread.start()
-        wait_for(lambda: self.server.started or not self.thread.is_alive(), "server start")
+        wait_while_starting(lambda: self.server.started, "uvicorn to start",
+                            alive=self.thread.is_alive,
+                            report=lambda: "The server thread ended (its error is logged above).")
         assert self.server.started, "uvicorn did not start"
         return self
+
+    def wait_loaded(self) -> None:
+        """Until the model's background load has ended (``ok`` or ``error``: the caller checks
+        which), for as long as that load runs."""
+        served = self.app.state.served
+        wait_while_starting(lambda: served.status != "loading", "the model to load",
+                            alive=lambda: self.thread.is_alive() and served.still_loading,
+                            report=lambda: "The load thread or the server ended while loading.")
 
     def stop(self) -> None:
         self.server.should_exit = True  # what SIGINT/SIGTERM set
@@ -157,15 +200,27 @@ def server_log(proc: subprocess.Popen) -> str:
 
 
 def wait_healthy(proc: subprocess.Popen, url: str) -> None:
+    """Until ``GET /health`` answers 200, for as long as the server process runs and is still
+    starting: its port not open yet (or too busy to answer within 5 s), its model ``loading``, or
+    Ray Serve's proxy up before its replicas. An exited process, or a /health that reports the load
+    failed, fails at once with the process's output; ``HANG_CAP_S`` only caps a hang."""
     def ok() -> bool:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited with {proc.returncode}: {server_log(proc)}")
         try:
-            return httpx.get(f"{url}/health", timeout=5).status_code == 200
+            health = httpx.get(f"{url}/health", timeout=5)
         except httpx.TransportError:
             return False
+        if health.status_code == 200:
+            return True
+        try:
+            body = health.json()
+        except ValueError:  # not our app's answer yet (Ray Serve's proxy before the replicas)
+            return False
+        if isinstance(body, dict) and body.get("status") == "error":
+            raise AssertionError(f"the server's model failed to load: {health.text}\n"
+                                 f"{server_log(proc)}")
+        return False
 
-    wait_for(ok, "the server's /health to say ok")
+    wait_process_ready(proc, ok, "the server's /health to say ok")
 
 
 def raw_post(port: int, body: bytes) -> socket.socket:

@@ -327,7 +327,8 @@ def test_health_while_loading_then_ok(clef):
         with pytest.raises(RateLimited):
             client.models()
         release.set()
-        wait_for(lambda: client.health().ok, "the model to load")
+        srv.wait_loaded()
+        assert client.health().ok
         assert client.decide("x", [noul("ready?")]).answers
 
 
@@ -336,7 +337,7 @@ def test_failed_load_is_reported(clef):
         raise errors.ModelNotFound("model not found: /nowhere", field="model")
 
     with ThreadServer(broken) as srv:
-        wait_for(lambda: httpx.get(f"{srv.url}/health").json()["status"] != "loading", "load")
+        srv.wait_loaded()
         health = httpx.get(f"{srv.url}/health")
         assert health.status_code == 503
         assert health.json()["error"]["code"] == "model_not_found"
@@ -346,7 +347,8 @@ def test_failed_load_is_reported(clef):
 
 def test_serves_a_model_directory_loaded_in_the_background(tiny_model_dir, clef):
     with ThreadServer(str(tiny_model_dir), load_kwargs={"max_length": 2048, "threads": 2}) as srv:
-        wait_for(lambda: httpx.get(f"{srv.url}/health").status_code == 200, "the model to load")
+        srv.wait_loaded()
+        assert httpx.get(f"{srv.url}/health").status_code == 200
         body = request_body(5)
         response = httpx.post(f"{srv.url}/v1/systemone", json=body, timeout=DEADLINE_S)
         assert same(response.json()) == expected(clef, body)

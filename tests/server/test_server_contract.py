@@ -145,13 +145,14 @@ def test_loading_failed_and_busy_responses(clef, spec):
             response = httpx.request(method, f"{srv.url}{path}", json=request_body())
             assert conforms(spec, method, path, response)["error"]["code"] == "model_loading"
         release.set()
-        wait_for(lambda: httpx.get(f"{srv.url}/health").status_code == 200, "the model")
+        srv.wait_loaded()
+        assert httpx.get(f"{srv.url}/health").status_code == 200
 
     def broken():
         raise errors.ModelNotFound("model not found: /nowhere", field="model")
 
     with ThreadServer(broken) as srv:
-        wait_for(lambda: httpx.get(f"{srv.url}/health").json()["status"] != "loading", "load")
+        srv.wait_loaded()
         failed = conforms(spec, "get", "/health", httpx.get(f"{srv.url}/health"))
         assert failed["error"]["code"] == "model_not_found"
         response = httpx.post(f"{srv.url}/v1/systemone", json=request_body())

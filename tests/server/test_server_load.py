@@ -25,7 +25,8 @@ import pytest
 
 from clef_gguf import Clef
 from server_helpers import (same, DEADLINE_S, GATED_SERVE, Gated, ThreadServer, port_is_free,
-                            request_body, serve_process, server_log, wait_for, wait_healthy)
+                            request_body, serve_process, server_log, wait_for, wait_healthy,
+                            wait_process_ready)
 
 CLIENTS, PER_CLIENT, DISTINCT = 64, 20, 16
 MAX_BODY = 64 * 1024
@@ -371,13 +372,12 @@ def test_sigterm_while_the_model_loads_exits_0(tiny_model_dir, tmp_path):
     """Stopped as soon as the port answers (usually still ``loading``): no abort at exit."""
     with serve_process(tmp_path, "--model", str(tiny_model_dir), *MODEL_ARGS) as (proc, url, _):
         def answering() -> bool:
-            assert proc.poll() is None, server_log(proc)
             try:
                 return httpx.get(f"{url}/health", timeout=5).status_code in (200, 503)
             except httpx.TransportError:
                 return False
 
-        wait_for(answering, "the port to answer")
+        wait_process_ready(proc, answering, "the port to answer")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(DEADLINE_S) == 0, server_log(proc)
 

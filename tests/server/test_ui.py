@@ -23,7 +23,7 @@ from starlette.testclient import TestClient
 from clef_gguf import cli
 from clef_gguf.server import ui, ui_command
 from clef_gguf.server.app import create_app
-from server_helpers import REPO, DEADLINE_S, serve_process, wait_for, wait_healthy
+from server_helpers import REPO, DEADLINE_S, serve_process, wait_healthy, wait_process_ready
 
 STATIC = REPO / "clef_gguf" / "server" / "static"
 
@@ -171,15 +171,15 @@ def test_ui_command_serves_the_page_on_a_free_loopback_port(tmp_path, tiny_model
         proc = subprocess.Popen([sys.executable, "-m", "clef_gguf.cli", "ui", "--model",
                                  str(tiny_model_dir), "--threads", "1", "--no-browser"],
                                 cwd=REPO, stdout=out, stderr=subprocess.STDOUT, text=True)
+    proc.log_path = log  # what wait_process_ready reports if it exits
     try:
         found: list[str] = []
 
         def announced() -> bool:
-            assert proc.poll() is None, log.read_text()
             found[:] = re.findall(r"http://127\.0\.0\.1:\d+/", log.read_text())
             return bool(found)
 
-        wait_for(announced, "clef-gguf ui to print its address")
+        wait_process_ready(proc, announced, "clef-gguf ui to print its address")
         url = found[0]
 
         def page() -> bool:
@@ -188,7 +188,7 @@ def test_ui_command_serves_the_page_on_a_free_loopback_port(tmp_path, tiny_model
             except httpx.TransportError:
                 return False
 
-        wait_for(page, "the page to be served")
+        wait_process_ready(proc, page, "the page to be served")
         assert "clef-gguf" in httpx.get(url, timeout=5).text
     finally:
         proc.terminate()

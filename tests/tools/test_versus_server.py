@@ -225,7 +225,7 @@ def test_a_server_that_dies_is_reported_with_its_log(stand_in, tmp_path):
     server = vs.LlamaServer(str(stand_in), "m.gguf", threads=1, ubatch=512, n_ctx=1024, repack=False)
     try:
         with pytest.raises(InferenceError, match="exited with status 3(.|\n)*boom"):
-            server.wait_ready(timeout=60)
+            server.wait_ready()  # ends when the process exits; its 600 s default only caps a hang
     finally:
         server.close()
 
