@@ -9,6 +9,7 @@ machine waits longer and a crash fails at once with the process's output (``wait
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -59,6 +60,16 @@ def wait_for(predicate, what: str, deadline: float = DEADLINE_S) -> None:
         if time.monotonic() > end:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.01)
+
+
+async def until(predicate, what: str, deadline: float = DEADLINE_S) -> None:
+    """``wait_for`` on an event loop: poll ``predicate`` between turns of the loop's other tasks
+    until it holds (an explicit state, never "after one ``sleep(0)``"); bounded."""
+    end = time.monotonic() + deadline
+    while not predicate():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
 
 
 def wait_while_starting(ready, what: str, *, alive, report, cap: float = HANG_CAP_S) -> None:

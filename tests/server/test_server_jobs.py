@@ -8,6 +8,7 @@ import pytest
 from clef_gguf.core import errors
 from clef_gguf.server.jobs import JobRunner
 from clef_gguf.server.workqueue import InferenceQueue, PrepareStage
+from server_helpers import until
 
 
 class StandIn:
@@ -70,10 +71,9 @@ def test_refusals_are_registered_errors():
                 await runner.prepare(client, runner.admit(), _refuse)
             assert info.value.code == "invalid_value" and info.value.status == 422
             running = asyncio.ensure_future(runner.compute(client, lambda _job: hold.wait(30)))
-            while not runner.queue.busy:
-                await asyncio.sleep(0.01)
+            await until(lambda: runner.queue.busy, "the first job to run")
             queued = asyncio.ensure_future(runner.compute(client, lambda _job: 1))
-            await asyncio.sleep(0)
+            await until(lambda: runner.queue.waiting == 1, "the second job to queue")
             with pytest.raises(errors.ClefError) as info:
                 await runner.compute(client, lambda _job: 2)
             assert (info.value.status, info.value.code) == (429, errors.ServerBusy.code)
@@ -101,10 +101,9 @@ def test_a_client_that_left_is_not_answered_and_its_job_is_dropped():
         hold = threading.Event()
         try:
             first = asyncio.ensure_future(runner.compute(StandIn(), lambda _job: hold.wait(30)))
-            while not runner.queue.busy:
-                await asyncio.sleep(0.01)
+            await until(lambda: runner.queue.busy, "the first job to run")
             gone = asyncio.ensure_future(runner.compute(client, lambda _job: ran.append(1)))
-            await asyncio.sleep(0)
+            await until(lambda: runner.queue.waiting == 1, "the client's job to queue")
             client.leave.set()
             assert await gone is None and client.facts["client_gone"] is True
             hold.set()

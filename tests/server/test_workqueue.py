@@ -10,6 +10,7 @@ from clef_gguf.core import errors
 from clef_gguf.core.errors import ServerBusy, ServerShuttingDown
 from clef_gguf.server.workqueue import InferenceQueue
 from engine_helpers import Packing, requests
+from server_helpers import until
 
 DEADLINE_S = 30
 
@@ -23,7 +24,8 @@ async def _blocked(queue: InferenceQueue) -> threading.Event:
         gate.wait(DEADLINE_S)
 
     queue.submit(hold)
-    await asyncio.get_running_loop().run_in_executor(None, entered.wait, DEADLINE_S)
+    assert await asyncio.get_running_loop().run_in_executor(None, entered.wait, DEADLINE_S), \
+        "the worker never started the blocking job"
     return gate
 
 
@@ -45,7 +47,9 @@ def test_the_bound_refuses_with_retry_after_and_shutdown_fails_the_waiting():
             queue.submit(lambda _job: None)
         assert 1 <= full.value.retry_after <= 60
         stopping = asyncio.create_task(queue.stop())
-        await asyncio.sleep(0)  # stop() runs up to waiting for the running job
+        # stop() refuses new jobs and fails the queued ones, then waits for the running job
+        await until(lambda: all(job.future.done() for job in jobs), "stop() to fail the queued jobs")
+        assert not stopping.done()  # still waiting for the held job
         gate.set()
         await asyncio.wait_for(stopping, DEADLINE_S)
         for job in jobs:
