@@ -28,7 +28,7 @@ import gguf
 import tokenizers
 
 from clef_gguf.core.errors import ConversionError
-from clef_gguf.pipeline.lexical import field_value
+from clef_gguf.formats.gguf import field_value
 
 MODEL, PRE = "tokenizer.ggml.model", "tokenizer.ggml.pre"
 TOKENS, TYPES = "tokenizer.ggml.tokens", "tokenizer.ggml.token_type"

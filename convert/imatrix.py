@@ -141,7 +141,7 @@ def uniform_for(tower_gguf) -> ImportanceMatrix:
     (``sqrt(sigma2 + x^2)`` per column, ggml-quants.c): a valid file, just not the one an
     activation-aware imatrix would give. Use it when no calibration data is at hand.
     """
-    from clef_gguf.pipeline.lexical import open_gguf
+    from clef_gguf.formats.gguf import open_gguf
 
     reader = open_gguf(tower_gguf)
     entries = {}

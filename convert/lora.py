@@ -37,7 +37,7 @@ from clef_gguf.convert.hf_to_gguf import ARCH, SUPPORTED, read_json, stream_gguf
 from clef_gguf.core.errors import AdapterMismatch, ConversionError, CorruptModel, ModelNotFound
 from clef_gguf.formats.finetune_files import ADAPTER_FORMAT, ADAPTER_MANIFEST, adapter_file_name
 from clef_gguf.heads.load import load_head
-from clef_gguf.pipeline.lexical import open_gguf
+from clef_gguf.formats.gguf import open_gguf
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

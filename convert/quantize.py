@@ -75,7 +75,7 @@ def ggml_type(name: str | None) -> int | None:
         return None
     import gguf
 
-    from clef_gguf.pipeline.lexical import ensure_gguf_types
+    from clef_gguf.formats.gguf import ensure_gguf_types
 
     ensure_gguf_types()
     member = gguf.GGMLQuantizationType.__members__.get(str(name).upper())
@@ -91,7 +91,7 @@ def _threads(threads: int | None) -> int:
 
 
 def _source_type(path: Path) -> str:
-    from clef_gguf.pipeline.lexical import field_value, open_gguf
+    from clef_gguf.formats.gguf import field_value, open_gguf
 
     reader = open_gguf(path)
     ft = field_value(reader, "general.file_type")
@@ -202,7 +202,7 @@ def quantize_file(src, dst, outtype: str, *, imatrix=None, output_type: str | No
 
 def tensor_types(path) -> dict:
     """``{"tensor_types": {type: count}, "output_weight": type}`` of a GGUF, for summaries."""
-    from clef_gguf.pipeline.lexical import open_gguf
+    from clef_gguf.formats.gguf import open_gguf
 
     counts: dict[str, int] = {}
     out = None

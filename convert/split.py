@@ -88,7 +88,7 @@ from clef_gguf.convert.gguf_tokenizer import tokenizer_from_gguf
 from clef_gguf.convert.hf_to_gguf import stream_gguf
 from clef_gguf.convert.split_calibration import upstream_temperatures, write_calibration
 from clef_gguf.core.errors import ClefError, ConversionError, CorruptModel, ModelNotFound
-from clef_gguf.pipeline.lexical import field_value, file_type_name, open_gguf
+from clef_gguf.formats.gguf import field_value, file_type_name, open_gguf
 
 SRC_ARCH, DST_ARCH = "clef", "qwen35"
 DECISION_TYPE = "clef"

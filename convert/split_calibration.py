@@ -20,7 +20,7 @@ from clef_gguf.formats import files
 from clef_gguf.pipeline.encode import TEMPLATE_SHA256
 from clef_gguf.core.errors import ClefError, ConversionError
 from clef_gguf.formats import calibration as cal
-from clef_gguf.pipeline.lexical import field_value
+from clef_gguf.formats.gguf import field_value
 from clef_gguf.core.questions import QUESTION_TYPES
 
 FILE = "calibration.json"

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from clef_gguf.core import errors
+from clef_gguf.formats.gguf import file_type_name, open_gguf
 from clef_gguf.pipeline import lexical
 
 T = gguf.GGMLQuantizationType
@@ -36,7 +37,7 @@ def table():
 def test_rows_match_the_dequantized_table(tmp_path, table, qtype, tol):
     path = write_gguf(tmp_path / "m.gguf", {"output.weight": (table, qtype),
                                             "token_embd.weight": (table * 0, T.F32)})
-    rows = lexical.LexicalRows(lexical.open_gguf(path))
+    rows = lexical.LexicalRows(open_gguf(path))
     assert rows.tensor_name == "output.weight" and rows.hidden_size == HIDDEN
     ids = np.array([3, 7, 3, 39, 0])
     got = rows.rows(ids)
@@ -47,33 +48,33 @@ def test_rows_match_the_dequantized_table(tmp_path, table, qtype, tol):
 
 def test_tied_model_falls_back_to_token_embd(tmp_path, table):
     path = write_gguf(tmp_path / "tied.gguf", {"token_embd.weight": (table, T.F32)})
-    rows = lexical.LexicalRows(lexical.open_gguf(path))
+    rows = lexical.LexicalRows(open_gguf(path))
     assert rows.tensor_name == "token_embd.weight"
     assert np.array_equal(rows.rows(np.array([5])), table[[5]])
 
 
 def test_ggml_dequantizer_fallback_matches_gguf_py(tmp_path, table, monkeypatch):
     path = write_gguf(tmp_path / "q.gguf", {"output.weight": (table, T.Q8_0)})
-    expected = lexical.LexicalRows(lexical.open_gguf(path)).rows(np.arange(VOCAB))
+    expected = lexical.LexicalRows(open_gguf(path)).rows(np.arange(VOCAB))
 
     def refuse(*_a, **_k):
         raise NotImplementedError("pretend gguf-py lacks this type")
 
     monkeypatch.setattr(gguf.quants, "dequantize", refuse)
-    got = lexical.LexicalRows(lexical.open_gguf(path)).rows(np.arange(VOCAB))
+    got = lexical.LexicalRows(open_gguf(path)).rows(np.arange(VOCAB))
     assert np.array_equal(got, expected)
 
 
 def test_only_requested_rows_are_materialised(tmp_path, table):
     path = write_gguf(tmp_path / "m.gguf", {"output.weight": (table, T.Q8_0)})
-    rows = lexical.LexicalRows(lexical.open_gguf(path))
+    rows = lexical.LexicalRows(open_gguf(path))
     rows.rows(np.array([1, 2, 2]))
     assert rows.cached.tolist() == [1, 2]
 
 
 def test_the_store_is_bounded_and_evicts_the_least_recently_used(tmp_path, table):
     path = write_gguf(tmp_path / "m.gguf", {"output.weight": (table, T.Q8_0)})
-    reader = lexical.open_gguf(path)
+    reader = open_gguf(path)
     full = lexical.LexicalRows(reader).rows(np.arange(VOCAB))  # capacity: the whole table
     small = lexical.LexicalRows(reader, max_bytes=3 * 4 * table.shape[1])
     assert small.capacity == 3
@@ -97,7 +98,7 @@ def test_the_store_is_bounded_and_evicts_the_least_recently_used(tmp_path, table
 @pytest.mark.parametrize("ids, named", [([VOCAB], VOCAB), ([3, -2, VOCAB + 5], -2)])
 def test_out_of_range_token_is_an_error(tmp_path, table, ids, named):
     path = write_gguf(tmp_path / "m.gguf", {"output.weight": (table, T.F32)})
-    rows = lexical.LexicalRows(lexical.open_gguf(path))
+    rows = lexical.LexicalRows(open_gguf(path))
     with pytest.raises(errors.CorruptModel, match=f"token id {named} is outside"):
         rows.rows(np.array(ids))
 
@@ -105,7 +106,7 @@ def test_out_of_range_token_is_an_error(tmp_path, table, ids, named):
 def test_missing_lm_head_tensor(tmp_path, table):
     path = write_gguf(tmp_path / "none.gguf", {"blk.0.attn_norm.weight": (table[0], T.F32)})
     with pytest.raises(errors.CorruptModel, match="output.weight"):
-        lexical.LexicalRows(lexical.open_gguf(path))
+        lexical.LexicalRows(open_gguf(path))
 
 
 def test_truncated_and_foreign_files(tmp_path, table):
@@ -113,12 +114,12 @@ def test_truncated_and_foreign_files(tmp_path, table):
     data = path.read_bytes()
     (tmp_path / "cut.gguf").write_bytes(data[: len(data) // 2])
     with pytest.raises(errors.CorruptModel):
-        lexical.open_gguf(tmp_path / "cut.gguf")
+        open_gguf(tmp_path / "cut.gguf")
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf at all" * 10)
     with pytest.raises(errors.CorruptModel):
-        lexical.open_gguf(tmp_path / "junk.gguf")
+        open_gguf(tmp_path / "junk.gguf")
     with pytest.raises(errors.ModelNotFound):
-        lexical.open_gguf(tmp_path / "absent.gguf")
+        open_gguf(tmp_path / "absent.gguf")
 
 
 def test_file_type_name(tmp_path, table):
@@ -129,7 +130,7 @@ def test_file_type_name(tmp_path, table):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    assert lexical.file_type_name(lexical.open_gguf(tmp_path / "ft.gguf")) == "q4_k_m"
+    assert file_type_name(open_gguf(tmp_path / "ft.gguf")) == "q4_k_m"
 
 
 class TableSource:

@@ -247,7 +247,7 @@ def _use_ubatch(clef, n_ubatch: int) -> None:
 def tower_layout_matches(ours: Path, native: Path) -> bool:
     """Whether our tower and the native file's non-head tensors have the same names, types, shapes."""
     from clef_gguf.convert.split import HEAD_NAMESPACES
-    from clef_gguf.pipeline.lexical import open_gguf
+    from clef_gguf.formats.gguf import open_gguf
 
     def layout(path, skip):
         return {(t.name, t.tensor_type.name, tuple(int(x) for x in t.shape))

@@ -12,7 +12,7 @@ import pytest
 from clef_gguf.convert import big
 from clef_gguf.convert.tiny import build_tokenizer
 from clef_gguf.core.errors import ConversionError
-from clef_gguf.pipeline.lexical import field_value, open_gguf
+from clef_gguf.formats.gguf import field_value, open_gguf
 
 TINY_SEED = 0  # the seed of conftest's tiny_release
 

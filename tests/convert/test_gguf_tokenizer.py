@@ -26,7 +26,7 @@ from clef_gguf.convert.tiny import PLAIN_ADDED_TOKENS, QWEN_PRETOKENIZE_REGEX, S
 from clef_gguf.pipeline.encode import (FIELD_END, OPTIONS_HEADER, PREFIX, SCHEMA_HEADER, SUFFIX, Encoder,
                               option_text, render)
 from clef_gguf.core.errors import ConversionError
-from clef_gguf.pipeline.lexical import open_gguf
+from clef_gguf.formats.gguf import open_gguf
 from clef_gguf.pipeline.request import parse_request
 # Test modules as helpers: tests/ and tests/convert/ are on sys.path (rootdir-less conftest).
 from test_encode import GOLDEN_BODY, GOLDEN_TEXT

@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 
 from clef_gguf import Clef
-from clef_gguf.pipeline import lexical
 from clef_gguf.convert import imatrix as im
 from clef_gguf.convert import quantize as qz
 from clef_gguf.convert.release import convert_release
 from clef_gguf.core.errors import ConversionError
-from clef_gguf.pipeline.lexical import LexicalRows, _ggml_to_float, open_gguf
+from clef_gguf.formats.gguf import ensure_gguf_types, ggml_to_float, open_gguf
+from clef_gguf.pipeline.lexical import LexicalRows
 
 pytestmark = pytest.mark.slow
 LIMIT = 240  # seconds per quantizer child: a hang fails the test instead of stalling CI
@@ -145,7 +145,7 @@ def test_release_path_equals_quantizing_the_f32_model(release256, model_for, tmp
 @pytest.mark.parametrize("otype", list(OUTPUT_TYPES))
 def test_lexical_rows_from_every_output_type(base256, tmp_path, otype):
     """Force output.weight to ``otype``; the runtime reads its rows and decides."""
-    lexical.ensure_gguf_types()
+    ensure_gguf_types()
     out = qz.quantize_model(base256, tmp_path / "m", "Q8_0", output_type=otype, threads=2,
                             imatrix=im.UNIFORM if otype in qz.GGML_NEEDS_IMATRIX else None, timeout=LIMIT)
     tower = out / "tower-q8_0.gguf"
@@ -162,7 +162,7 @@ def test_lexical_rows_from_every_output_type(base256, tmp_path, otype):
         with pytest.raises(NotImplementedError):
             gguf.quants.dequantize(raw, qtype)
     if otype not in ("F32", "F16"):  # whichever path LexicalRows took, ggml agrees with it
-        np.testing.assert_allclose(rows, _ggml_to_float(raw, int(qtype), 256), rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(rows, ggml_to_float(raw, int(qtype), 256), rtol=1e-6, atol=1e-7)
     with _load(out) as clef:
         assert clef.info["lexical_rows"] == otype
         _check_answers(clef)
