@@ -29,6 +29,7 @@ SLOW_MODULES = {
     "tests/convert/test_gguf_tokenizer.py": "random text through two tokenizers",
     "tests/bulk/test_bulk_resume.py": "kills and resumes batch subprocesses",
     "tests/bulk/test_bulk_ray.py": "starts Ray and Ray Serve",
+    "tests/bulk/test_every_flag_ray.py": "starts Ray and Ray Serve with every load flag",
     "tests/server/test_server_soak.py": "thousands of requests",
     "tests/server/test_server_load.py": "64 clients, signals to real server processes",
     "tests/server/test_server_fuzz.py": "schemathesis over every endpoint",

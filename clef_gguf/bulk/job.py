@@ -26,7 +26,7 @@ from clef_gguf.bulk.output import Output
 from clef_gguf.bulk.progress import Progress
 from clef_gguf.bulk.stopping import Interrupted, Stopper
 from clef_gguf.runtime.flags import add_model_arguments, load_model
-from clef_gguf.runtime.settings import LoadSettings, per_replica_threads
+from clef_gguf.runtime.settings import LoadSettings, for_replicas
 from clef_gguf.media.sources import MediaPolicy
 
 DEFAULT_LOG_EVERY_S = 10.0
@@ -79,8 +79,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--replicas", type=positive_int, default=1, metavar="N",
                    help="Ray actors, each holding one copy of the model (default 1)")
     r.add_argument("--threads-per-replica", type=positive_int, default=None, metavar="T",
-                   help="CPUs each actor reserves and the tower's threads in it (default: this "
-                        "machine's cores / --replicas); replicas x T should not exceed the cores, "
+                   help="CPUs each actor reserves and the tower's threads in it (default: --threads "
+                        "if given, else this machine's cores / --replicas); replicas x T should not exceed the cores, "
                         "nor replicas x the model's memory the RAM")
 
 
@@ -130,6 +130,12 @@ def media_policy(source: Path) -> MediaPolicy:
     return MediaPolicy(local_paths=True, base_dir=source.resolve().parent, url_allow=("*",))
 
 
+def actor_settings(args: argparse.Namespace) -> LoadSettings:
+    """What each Ray actor loads: the load flags, and --threads-per-replica (else --threads, else its
+    share of the cores) as its threads."""
+    return for_replicas(args, args.threads_per_replica or args.threads, args.replicas)
+
+
 def _compute(args: argparse.Namespace, pending: Iterator[records.Record],
              write: Callable[[dict], None], stopper: Stopper, ready: Callable[[], None],
              policy: MediaPolicy) -> None:
@@ -140,8 +146,10 @@ def _compute(args: argparse.Namespace, pending: Iterator[records.Record],
             stopper.install()
             ready()
 
-        threads = per_replica_threads(args.threads_per_replica, args.replicas)
-        ray_engine.run(pending, write, settings=LoadSettings.from_args(args).for_workers(threads=threads),
+        settings = actor_settings(args)
+        assert settings.threads is not None  # for_replicas gives each its share
+        threads = settings.threads
+        ray_engine.run(pending, write, settings=settings,
                        address=args.ray_address, replicas=args.replicas, threads=threads,
                        window=args.window, truncate_state=args.truncate_state,
                        after_init=after_init, media_policy=policy)

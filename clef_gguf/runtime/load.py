@@ -109,7 +109,8 @@ def load(settings: LoadSettings, make: Callable[..., M]) -> Models[M]:
                 "backend": opened.runner, "precision": opened.quant, "head_dtype": settings.head_dtype,
                 "max_length": settings.max_length, "n_embd": tower.n_embd, "lexical_rows": lexical.type_name,
                 "lm_head_avoided": tower.uses_nextn, "gpu_layers": tower.gpu_layers,
-                "threads": tower.threads, "head_threads": torch.get_num_threads()}
+                "threads": tower.threads, "head_threads": torch.get_num_threads(), "strict": settings.strict,
+                "state_cache_mb": settings.state_cache_mb, "calibration_version": provenance.calibration_version}
         info |= tower.details()  # the backend's own facts (nvfp4: kernel, device)
         log.info("loaded %s (%s, n_embd %d) on %s, head scalars %s", found.tower.name, opened.quant,
                  tower.n_embd, "the GPU" if tower.gpu_layers else "the CPU", head_scalars(joint))

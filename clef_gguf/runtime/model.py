@@ -97,7 +97,8 @@ class Clef:
 
     def calibrated(self, calibration: Calibration) -> Clef:
         provenance = dataclasses.replace(self.provenance, calibration_version=calibration.version)
-        return dataclasses.replace(self, calibration=calibration, provenance=provenance)
+        return dataclasses.replace(self, calibration=calibration, provenance=provenance,
+                                   info=self.info | {"calibration_version": calibration.version})
 
     def calibration_binding(self) -> dict[str, str | None]:
         """What a calibration of this model must be bound to (its tower, head and adapter)."""

@@ -199,6 +199,11 @@ def per_replica_threads(asked: int | None, replicas: int) -> int:
     return asked or max(1, available_cpus() // replicas)
 
 
+def for_replicas(args: argparse.Namespace, asked_threads: int | None, replicas: int) -> LoadSettings:
+    """What each Ray actor or replica loads: the command's load flags, its share of the cores."""
+    return LoadSettings.from_args(args).for_workers(threads=per_replica_threads(asked_threads, replicas))
+
+
 def parse_adapter_flags(values: list[str] | None) -> Adapters | None:
     """``--adapter [NAME=]DIR`` flags -> ``adapters``. One bare DIR: that fine-tune answers;
     otherwise each needs a NAME (the base answers unless a request names one)."""

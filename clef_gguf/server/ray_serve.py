@@ -25,7 +25,7 @@ from typing import Any
 
 from clef_gguf.bulk.deps import need
 from clef_gguf.core.cpus import available_cpus
-from clef_gguf.runtime.settings import LoadSettings, per_replica_threads
+from clef_gguf.runtime.settings import LoadSettings, for_replicas
 
 log = logging.getLogger("clef_gguf.server")
 APP_NAME = "clef"
@@ -77,7 +77,9 @@ def run(args: argparse.Namespace, app_factory: Callable) -> int:
     """Start Ray (``$RAY_ADDRESS``, else a private one), deploy, serve until Ctrl-C / SIGTERM."""
     ray = need("ray", "ray")
     serve = need("ray.serve", "ray")
-    threads = per_replica_threads(args.threads, args.replicas)
+    settings = for_replicas(args, args.threads, args.replicas)
+    assert settings.threads is not None  # for_replicas gives each its share
+    threads = settings.threads
     from clef_gguf.media.sources import served_sources  # the serve flags' sources, as without Ray
 
     app_kwargs = {"api_key": args.api_key, "queue_size": args.queue_size,
@@ -103,7 +105,7 @@ def run(args: argparse.Namespace, app_factory: Callable) -> int:
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
-        app = application(LoadSettings.from_args(args).for_workers(threads=threads), app_factory, app_kwargs,
+        app = application(settings, app_factory, app_kwargs,
                           replicas=args.replicas, threads=threads, queue_size=args.queue_size,
                           drain_s=args.drain_timeout)
         serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
