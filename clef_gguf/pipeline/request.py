@@ -1,4 +1,5 @@
-"""SystemOne request: the JSON reader, the wire shape (pydantic) and the typed form the encoder reads.
+"""SystemOne request: the JSON reader, validation of the wire shape (``wire``) and the typed form the
+encoder reads.
 
 Reference semantics (spec §3.2, §8): instructions (any JSON value) fall back to the question id
 when missing, null or ""; noul criteria are merged over the defaults and other keys are ignored;
@@ -15,21 +16,18 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import pydantic
 
 from clef_gguf.core import errors
-from clef_gguf.core.questions import TYPE_INDEX
+from clef_gguf.core.questions import CHOICE_OPTIONS, MAX_QUESTIONS, SCORE_LEVELS, TYPE_INDEX
+from clef_gguf.pipeline.wire import QuestionSpec, SystemOneRequest
 
 NOUL_DEFAULTS = {
     "true": "The proposition is true or the answer is yes.",
     "false": "The proposition is false or the answer is no.",
 }
-# strict mode only: the limits Jev and its clients enforce (not the reference's)
-MAX_QUESTIONS = 64
-CHOICE_OPTIONS = (2, 255)
-SCORE_LEVELS = (2, 10)
 # Deeper values cannot be rendered: Python's json (the reference's too) recurses per level and
 # stops near 1000; refusing earlier keeps the error a clear one.
 MAX_DEPTH = 512
@@ -106,38 +104,6 @@ def _long_number_message(digits: int | None) -> str:
     size = f"has {digits} digits, more than" if digits else "is longer than"
     return (f"a whole number that {size} the {_number_limit()}-digit limit Python puts on "
             "converting numbers to text; send it as a string")
-
-
-class QuestionSpec(pydantic.BaseModel):
-    """One question as sent; other keys are kept aside to be named in ``warnings``."""
-
-    model_config = pydantic.ConfigDict(extra="allow")
-
-    type: Literal["noul", "choice", "score"]
-    instructions: Any = None
-    criteria: dict[str, Any] | list[Any] | None = None
-
-
-class RequestOptions(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(extra="allow")
-
-    truncate_state: bool = False
-    strict: bool = False
-
-
-class SystemOneRequest(pydantic.BaseModel):
-    """``POST /v1/systemone`` body. ``state`` is any JSON value and is required (null allowed)."""
-
-    model_config = pydantic.ConfigDict(extra="allow")
-
-    model: str | None = None
-    state: Any
-    questions: dict[str, QuestionSpec]
-    options: RequestOptions | None = None
-    images: list[Any] | None = None
-    videos: list[Any] | None = None
-    media_kwargs: dict[str, Any] | None = None
-    calibration: Any = None  # not the reference's: it ignores the key whatever its value
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,8 @@
 """The wire contract as pydantic models: ``/openapi.json`` is generated from them, batch bodies are
 validated by them, and the contract test checks every endpoint's real responses against them.
 
-A single request body is validated by ``clef_gguf.pipeline.request`` (the reference's semantics: ignored
-keys answered with warnings, any JSON state, errors named by field, in its own order). The request
-models here document that per question type and never refuse a body it accepts (other keys are
-allowed everywhere it ignores them); what JSON Schema cannot say (lone surrogates, prompts too
-long for the window, instructions that render to no tokens) is refused by the server only.
+A single request is ``clef_gguf.pipeline.wire.SystemOneRequest``, the one model the parser validates
+with and this document shows; the batch bodies here wrap it.
 
 Response models forbid keys they do not name: a key added to a response without its model here
 fails the contract test instead of drifting out of the document.
@@ -18,11 +15,7 @@ from typing import Annotated, Any, Literal
 import pydantic
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, PlainValidator, Tag
 
-from clef_gguf.pipeline import request
-
-IGNORED = ("other keys are ignored and named in the response's warnings; options.strict "
-           "refuses them")
-
+from clef_gguf.pipeline.wire import Images, Options, Questions, SystemOneRequest
 
 def _as_is(value: Any) -> Any:
     return value
@@ -44,96 +37,6 @@ class ErrorBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     error: ErrorDetail
-
-
-# ---------------------------------------------------------------- a request
-class NoulCriteria(BaseModel):
-    model_config = ConfigDict(extra="allow", json_schema_extra={"description": IGNORED})
-
-    true: Any = Field(None, description="what true means (default: the reference's)")
-    false: Any = Field(None, description="what false means (default: the reference's)")
-
-
-class NoulQuestion(BaseModel):
-    """criteria: optional descriptions of the answers true and false"""
-
-    model_config = ConfigDict(extra="allow", title="noul")
-
-    type: Literal["noul"]
-    instructions: Any = Field(None, description="any JSON value (a string is used raw); the "
-                                                "question id when missing, null or \"\"")
-    criteria: NoulCriteria | None = None
-
-
-class ChoiceQuestion(BaseModel):
-    """criteria: option id -> description (any JSON value), reported in request order;
-    options.strict: 2-255 options"""
-
-    model_config = ConfigDict(extra="allow", title="choice")
-
-    type: Literal["choice"]
-    instructions: Any = Field(None, description="as for noul")
-    criteria: dict[str, Any] = Field(min_length=1)
-
-
-class ScoreQuestion(BaseModel):
-    """criteria: level descriptions, lowest first; options.strict: 2-10 levels"""
-
-    model_config = ConfigDict(extra="allow", title="score")
-
-    type: Literal["score"]
-    instructions: Any = Field(None, description="as for noul")
-    criteria: list[Any] = Field(min_length=1)
-
-
-Question = Annotated[NoulQuestion | ChoiceQuestion | ScoreQuestion, Field(discriminator="type")]
-Questions = Annotated[dict[str, Question], Field(
-    min_length=1, description="question id -> question; order matters; options.strict: at most "
-                              f"{request.MAX_QUESTIONS}")]
-
-
-class Options(BaseModel):
-    model_config = ConfigDict(extra="allow", json_schema_extra={"description": IGNORED})
-
-    truncate_state: bool = Field(False, description="cut an over-long state to fit instead of "
-                                                    "answering 413")
-    strict: bool = Field(False, description="refuse what the reference ignores, apply the "
-                                            "ecosystem's count limits")
-
-
-class InlineImage(BaseModel):
-    """avrik-sdk's image object: the same bytes as a data: URI."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    data: str = Field(description="the image file's bytes, base64")
-    media_type: str = Field("image/png", description="image/png, image/jpeg, image/gif or image/webp")
-
-
-Images = Annotated[list[str | InlineImage] | None, Field(
-    description="pictures: data: URIs or base64 (a path or URL only where the server was started with "
-                "--media-allow-files / --media-allow-url); refused by a model without a vision tower")]
-Videos = Annotated[list[list[list[str | InlineImage]]] | None, Field(
-    description="videos, each [[frame, ...]] (with media_kwargs.do_sample_frames false)")]
-
-
-class SystemOneRequest(BaseModel):
-    """One SystemOne request; other keys are ignored and named in the response's warnings;
-    options.strict refuses them."""
-
-    model_config = ConfigDict(extra="allow")
-
-    model: str | None = Field(None, description="echoed back")
-    state: Any = Field(description="any JSON value; a string is used raw")
-    questions: Questions
-    options: Options | None = None
-    images: Images = None
-    videos: Videos = None
-    calibration: Any = Field(None, description="a model served without --calibration ignores it (with a "
-                                               "warning); with one, the loaded version or nothing, else "
-                                               "422 wrong_calibration")
-    media_kwargs: dict[str, Any] | None = Field(None, description="the processor's size, min_pixels, "
-                                                "max_pixels, do_sample_frames, fps; other keys ignored")
 
 
 # Batch fields passed on as sent, each documented as what it holds: ``clef_gguf.pipeline.request``

@@ -189,7 +189,7 @@ def test_loading_failed_and_busy_responses(clef, spec):
 def test_the_documented_request_accepts_what_the_server_answers(spec, body):
     parse_request(body)  # the server's own validation accepts it
     assert accepted(spec, "/v1/systemone", body)
-    schema.SystemOneRequest.model_validate(body)
+    schema.SystemOneRequest.model_validate(body)  # the one request model (pipeline.wire)
 
 
 def test_every_code_the_server_sends_is_registered():
