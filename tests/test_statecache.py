@@ -9,8 +9,9 @@ import pytest
 
 from clef_gguf import Clef
 from clef_gguf.core import errors
-from clef_gguf.tower.cache import SegmentedForward, Snapshot, StateCache
+from clef_gguf.tower.cache import Snapshot, StateCache
 from clef_gguf.tower.llama_tower import Tower
+from clef_gguf.tower.schedule import Schedule
 
 DOC = {"ticket": "Refund for order 1182 not received after 14 days; customer is upset.",
        "history": ["asked twice", "no reply"], "amount": 129.5}
@@ -138,28 +139,23 @@ class Kept:
     nbytes: int
 
 
-class ListTower(SegmentedForward):
-    """A tower whose sequence is a list of token ids and whose hidden state of a token is
-    (token, position, tokens seen so far): what reuse must reproduce exactly."""
+class ListSequences:
+    """Sequences (``schedule.Sequences``) that are lists of token ids, where the hidden state of a
+    token is (token, position, tokens seen so far): what reuse must reproduce exactly."""
 
     vocab_name = "list vocab"
+    n_ctx, n_vocab, n_embd, closed = 1000, 100, 3, False
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
         self.decoded: list[tuple[int, int]] = []  # (start, end) of every segment appended
 
-    n_ctx = property(lambda self: 1000)
-    n_vocab = property(lambda self: 100)
-    n_embd = property(lambda self: 3)
-    closed = property(lambda self: False)
-
-    def _begin(self) -> list[int]:
+    def begin(self) -> list[int]:
         return []
 
-    def _resume(self, kept: Kept) -> list[int]:
+    def resume(self, kept: Kept) -> list[int]:
         return list(kept.tokens)
 
-    def _append(self, seq: list[int], ids: np.ndarray, start: int, media: object = None) -> np.ndarray:
+    def append(self, seq: list[int], ids: np.ndarray, start: int, media: object = None) -> np.ndarray:
         self.decoded.append((start, start + len(ids)))
         rows = []
         for t in ids:
@@ -167,11 +163,16 @@ class ListTower(SegmentedForward):
             rows.append((int(t), len(seq) - 1, sum(seq)))
         return np.array(rows, dtype=np.float32).reshape(-1, 3)
 
-    def _kept_bytes(self, seq: list[int]) -> int:
+    def kept_bytes(self, seq: list[int]) -> int:
         return 8 * len(seq)
 
-    def _keep(self, seq: list[int], size: int) -> Kept:
+    def keep(self, seq: list[int], size: int) -> Kept:
         return Kept(list(seq), size)
+
+
+def list_schedule() -> Schedule:
+    """The schedule a tower of these sequences would own."""
+    return Schedule(ListSequences(), threading.Lock())
 
 
 def test_the_plan_restores_what_is_known_and_decodes_the_rest():
@@ -179,36 +180,36 @@ def test_the_plan_restores_what_is_known_and_decodes_the_rest():
     first = np.array(prefix + state + [20, 21, 22], dtype=np.int32)
     other_questions = np.array(prefix + state + [30], dtype=np.int32)
     other_state = np.array(prefix + [12] + [20], dtype=np.int32)
-    tower, cache = ListTower(), StateCache(1 << 20)
+    schedule, cache = list_schedule(), StateCache(1 << 20)
     runs = [(first, 2, (0, [(0, 3), (3, 5), (5, 8)])),
             (other_questions, 2, (5, [(5, 6)])),
             (other_state, 1, (3, [(3, 4), (4, 5)])),
             (first, 2, (8, []))]
     for ids, n_state, (cached, segments) in runs:
-        tower.decoded.clear()
-        hidden, got = tower.forward(ids, 3, n_state, cache)
-        reference = ListTower().forward(ids, 3, n_state, None)[0]
-        assert np.array_equal(hidden, reference) and got == cached and tower.decoded == segments
-    plan = tower._plan(np.array(prefix + [13, 14], dtype=np.int32), 3, 2, cache)
+        schedule.seqs.decoded.clear()
+        hidden, got = schedule.forward(ids, 3, n_state, cache)
+        reference = list_schedule().forward(ids, 3, n_state, None)[0]
+        assert np.array_equal(hidden, reference) and got == cached and schedule.seqs.decoded == segments
+    plan = schedule.plan(np.array(prefix + [13, 14], dtype=np.int32), 3, 2, cache)
     assert plan.start is not None and plan.cached == 3 and plan.segments == [(3, 5)]
     assert plan.state_key == cache.key("state", np.array(prefix + [13, 14]))
 
 
 def test_a_wave_leaves_a_state_another_prompt_decodes_to_the_cache():
-    tower, cache, claimed = ListTower(), StateCache(1 << 20), set()
+    schedule, cache, claimed = list_schedule(), StateCache(1 << 20), set()
     a = np.array([1, 2, 3, 10, 11, 20], dtype=np.int32)
     b = np.array([1, 2, 3, 10, 11, 30], dtype=np.int32)
-    assert tower._joins(a, 3, 2, cache, claimed)
-    assert not tower._joins(a, 3, 2, cache, claimed)  # the same prompt: after a, from the cache
-    assert not tower._joins(b, 3, 2, cache, claimed)  # a decodes the state b would restore
-    assert tower._joins(b, 3, 2, None, claimed)  # no cache: nothing to wait for
-    tower.forward(a, 3, 2, cache)
-    assert tower._joins(b, 3, 2, cache, claimed)  # the state is cached now
+    assert schedule.joins(a, 3, 2, cache, claimed)
+    assert not schedule.joins(a, 3, 2, cache, claimed)  # the same prompt: after a, from the cache
+    assert not schedule.joins(b, 3, 2, cache, claimed)  # a decodes the state b would restore
+    assert schedule.joins(b, 3, 2, None, claimed)  # no cache: nothing to wait for
+    schedule.forward(a, 3, 2, cache)
+    assert schedule.joins(b, 3, 2, cache, claimed)  # the state is cached now
 
 
 def test_forward_each_keeps_errors_in_place():
-    tower = ListTower()
-    got = tower._forward_each([(np.array([1, 2], dtype=np.int32), 1, 0),
-                               (np.array([1, 500], dtype=np.int32), 1, 0)], None)
+    schedule = list_schedule()
+    got = schedule.forward_each([(np.array([1, 2], dtype=np.int32), 1, 0),
+                                 (np.array([1, 500], dtype=np.int32), 1, 0)], None)
     assert got[0][1] == 0 and isinstance(got[1], errors.InferenceError)
     assert "outside the list vocab" in got[1].message

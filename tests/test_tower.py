@@ -126,6 +126,31 @@ def test_layer_states_leave_the_final_states_alone(gguf_path, ids):
         assert np.array_equal(t.forward(ids[:400], 36, 200)[0], want)  # staging is off again
 
 
+def test_the_tower_is_composed_not_inherited():
+    # a reader finds forward where the tower is; the schedule and the packed decoder are its parts
+    assert Tower.__bases__ == (object,)
+    assert {"forward", "forward_many", "hidden_states"} <= set(vars(Tower))
+
+
+def test_a_fine_tunes_view_shares_the_tower_and_keeps_its_own_reuse(gguf_path, tiny_fine_tunes, ids):
+    """``adapted`` builds a view explicitly: the loaded tower's model, context, lock and pool; its own
+    adapter, cache tag, decoded prefix and pack stats. In a shared cache its states are its own."""
+    prompt = (ids[:200], 36, 100)
+    with Tower.load(gguf_path, n_ctx=1024, threads=2, n_batch=128) as base:
+        base_h, _ = base.forward(*prompt)
+        view = base.adapted(tiny_fine_tunes["a"] / "adapter-f32.gguf", tag="a")
+        assert all(getattr(view, n) is getattr(base, n) for n in ("_model", "_ctx", "_lock", "_pool"))
+        assert (view.cache_tag, base.cache_tag) == ("a", "") and view.adapter_path and not base.adapter_path
+        assert view._schedule.prefix is None and base._schedule.prefix is not None
+        assert view.pack_stats is not base.pack_stats
+        cache = StateCache(64 << 20)
+        h, cached = view.forward(*prompt, cache)
+        assert cached == 0 and not np.array_equal(h, base_h)  # its own prefix, through its adapter
+        assert base.forward(*prompt, cache)[1] == 36  # only the base's own prefix: not the view's state
+        view.close()  # a view owns nothing
+        assert not base.closed and np.array_equal(base.forward(*prompt)[0], base_h)
+
+
 @pytest.mark.parametrize("threads", [0, -3, 1.5])
 def test_threads_must_be_positive(tiny_model_dir, threads):
     with pytest.raises(errors.InvalidSetting) as info:
@@ -164,7 +189,7 @@ def test_forward_many_equals_one_by_one(gguf_path, packed_prompts, cache_mb):
     want, want_cache = one_by_one(gguf_path, packed_prompts, cache_mb)
     with Tower.load(gguf_path, n_ctx=1024, threads=2, n_batch=128) as t:
         for pack in (2, 4, 8):
-            t._prefix = None  # as fresh as the reference
+            t._schedule.prefix = None  # as fresh as the reference
             t.pack_stats.clear()
             cache = StateCache(cache_mb << 20)
             got = t.forward_many(packed_prompts, cache, pack=pack)
@@ -246,7 +271,7 @@ def test_packing_policy(gguf_path, packed_prompts, monkeypatch):
         assert t.pack_rule is gpu and t.pack_size(10) == gpu.pack == 1
     monkeypatch.undo()
     with Tower.load(gguf_path, n_ctx=1024, threads=2, n_batch=128) as t:
-        monkeypatch.setattr(Tower, "_free_memory", lambda self: 0)  # no room for a packed context
+        monkeypatch.setattr(t._pool, "free_memory", lambda offloaded: 0)  # no room for a packed context
         want = [t.forward(*p, None)[0] for p in packed_prompts]
         got = t.forward_many(packed_prompts, None, pack=4)
         assert not t.pack_stats and all(np.array_equal(g[0], w) for g, w in zip(got, want))

@@ -1,46 +1,134 @@
 """The language tower in llama.cpp: final hidden states (after the last RMSNorm) of every token.
 
-One prompt at a time on the canonical schedule (``statecache.SegmentedForward``), its media runs
-as embeddings; several per ``llama_decode`` in a packed context is ``tower_packed``'s part of the
-class. The llama.cpp objects are the thin wrappers of ``clef_gguf.tower.llama``.
+:class:`Tower` is composed, not inherited: its :class:`ContextSequence` decodes on the single
+context (the :class:`~clef_gguf.tower.schedule.Sequences` of this backend, media runs as embeddings),
+its :class:`~clef_gguf.tower.schedule.Schedule` says what is restored and what decoded, and its
+:class:`~clef_gguf.tower.llama_packed.PackedDecoder` decodes several prompts per ``llama_decode`` in a
+packed context. The llama.cpp objects are the thin wrappers of ``clef_gguf.tower.llama``.
 """
 
 from __future__ import annotations
 
 import collections
-import copy
+import logging
 import threading
 from pathlib import Path
 from types import TracebackType
+from typing import cast
 
 import numpy as np
 
 from clef_gguf.core.cpus import available_cpus, check_threads
 from clef_gguf.core.limits import CONTEXT_WINDOW
-from clef_gguf.core.errors import InferenceError, InvalidSetting, ModelNotFound
+from clef_gguf.core.errors import ClefError, InferenceError, InvalidSetting, ModelNotFound
 from clef_gguf.tower.llama import ATTENTION, _Adapter, _Context, _Model, _Positioned, extra_buffer_types, gpu_offload
 from clef_gguf.tower.packing import PACKING, FreeMemory, PackRule, chunks, host_free_memory
-from clef_gguf.tower.cache import Snapshot
+from clef_gguf.tower.cache import StateCache, usable
 from clef_gguf.pipeline.mediaprompt import MediaPrompt
-from clef_gguf.tower.llama_packed import PackedDecoding, _Pool
+from clef_gguf.tower.llama_packed import Item, PackedDecoder, Result, _Pool
+from clef_gguf.tower.protocol import Forwarded, Prompt, check_pack
+from clef_gguf.tower.schedule import Schedule
 
 __all__ = ["PACKING", "PackRule", "Tower", "extra_buffer_types", "gpu_offload"]
 
-class Tower(PackedDecoding):
-    """``hidden_states(ids) -> float32 [T, n_embd]`` for one prompt at a time (thread-safe);
-    ``forward_many`` decodes several prompts per llama_decode where :data:`PACKING` says it pays."""
+log = logging.getLogger("clef_gguf.tower.llama")
+
+
+class ContextSequence:
+    """The llama.cpp backend's :class:`~clef_gguf.tower.schedule.Sequences`: one sequence, held by the
+    single context itself (so a sequence is None), kept as llama.cpp's serialized sequence state, and
+    decoded through one tower view's adapter."""
 
     vocab_name = "GGUF vocab"
 
-    def __init__(self, model: _Model, ctx: _Context, path: Path, free_memory: FreeMemory = host_free_memory):
+    def __init__(self, model: _Model, ctx: _Context, pool: _Pool, adapter: _Adapter | None) -> None:
+        self._model, self._ctx, self._pool, self._adapter = model, ctx, pool, adapter
+
+    @property
+    def n_ctx(self) -> int:
+        return self._ctx.n_ctx
+
+    @property
+    def n_vocab(self) -> int:
+        return self._model.n_vocab
+
+    @property
+    def n_embd(self) -> int:
+        return self._model.n_embd
+
+    @property
+    def closed(self) -> bool:
+        return self._ctx.ptr is None
+
+    def begin(self) -> None:
+        self._ctx.clear()
+
+    def resume(self, kept: np.ndarray) -> None:
+        self._ctx.clear()
+        if not self._ctx.restore(kept, 0):
+            self._ctx.clear()
+            raise InferenceError("llama.cpp could not restore a saved sequence state")
+
+    def append(self, seq: None, ids: np.ndarray, start: int, media: MediaPrompt | None = None) -> np.ndarray:
+        """Append ``ids`` (prompt tokens ``start``...) to the sequence, in chunks of ``n_batch`` from
+        the segment's own start: the fixed schedule that makes a restored segment bit-identical to a
+        decoded one. Chunks also keep every call under llama.cpp's per-call n_batch assert (an
+        abort, not an error). With ``media``, a chunk is further cut where its media runs begin and
+        end (one llama_batch is all tokens or all embeddings) and every piece carries its M-RoPE
+        positions."""
+        at, n_embd = start, self.n_embd  # chunks are of ids; media and positions are of the prompt
+        out: np.ndarray = np.empty((len(ids), n_embd), dtype=np.float32)
+        self._ctx.use(self._adapter)
+        for first, end in chunks(0, len(ids), self._ctx.n_batch):
+            try:
+                if media is None:
+                    self._ctx.decode_tokens(np.ascontiguousarray(ids[first:end]))
+                    out[first:end] = self._ctx.rows(end - first, n_embd)
+                    continue
+                for begin, stop, row in media.pieces(at + first, at + end):
+                    pos = media.positions[:, begin:stop]
+                    if row is None:
+                        batch = self.positioned.tokens(ids[begin - at:stop - at], pos[0])
+                    else:
+                        batch = self.positioned.embeddings(media.embed()[row:row + stop - begin], pos)
+                    self._ctx.decode(batch)
+                    out[begin - at:stop - at] = self._ctx.rows(stop - begin, n_embd)
+            except InferenceError:
+                self._ctx.clear()
+                raise
+        return out
+
+    def kept_bytes(self, seq: None) -> int:
+        return self._ctx.state_size(0)
+
+    def keep(self, seq: None, size: int) -> np.ndarray:
+        return self._ctx.save(0, size)
+
+    @property
+    def positioned(self) -> _Positioned:
+        """The batch media prompts are decoded with, made on first use (``n_batch`` x ``n_embd``
+        floats; in the pool: shared by the views of a tower, used under their lock)."""
+        if self._pool.positioned is None:
+            self._pool.positioned = _Positioned(self._ctx.n_batch, self.n_embd)
+        return self._pool.positioned
+
+
+class Tower:
+    """``forward`` of one prompt at a time (thread-safe); ``forward_many`` decodes several prompts per
+    llama_decode where :data:`PACKING` says it pays. One view of a loaded tower: the base, or a
+    fine-tune's (:meth:`adapted`)."""
+
+    def __init__(self, model: _Model, ctx: _Context, path: Path, *, pool: _Pool, lock: threading.Lock,
+                 adapter: _Adapter | None = None, cache_tag: str = "") -> None:
+        """The model, the single context, the ``pool`` and the ``lock`` are shared by every view of
+        one loaded tower (:meth:`load` makes them); the view's own are its ``adapter`` (None: the
+        base), its ``cache_tag``, its decoded prefix (its schedule's) and its pack stats (its
+        packer's)."""
         self._model, self._ctx, self.path = model, ctx, path
-        self._lock = threading.Lock()
-        self._pool = _Pool(free_memory=free_memory)
-        self._adapter: _Adapter | None = None  # the LoRA this view applies; None: the base
-        self._prefix: tuple[bytes, Snapshot] | None = None  # the system prefix, decoded once
-        # the prefix in the packed layout, keyed by (prefix ids, stream count)
-        self._packed_prefix: tuple[bytes, np.ndarray] | None = None
-        self.pack_stats: collections.Counter[int] = collections.Counter()  # sequences per packed decode
+        self._lock, self._pool, self._adapter = lock, pool, adapter
+        self._seq = ContextSequence(model, ctx, pool, adapter)
+        self._schedule: Schedule[None, np.ndarray] = Schedule(self._seq, lock, cache_tag)
+        self._packer = PackedDecoder(model, ctx, pool, self._schedule, adapter)
 
     @classmethod
     def load(cls, path: str | Path, *, n_ctx: int = CONTEXT_WINDOW, threads: int | None = None,
@@ -67,7 +155,7 @@ class Tower(PackedDecoding):
         except BaseException:
             model.close()
             raise
-        return cls(model, ctx, path, free_memory)
+        return cls(model, ctx, path, pool=_Pool(free_memory=free_memory), lock=threading.Lock())
 
     @property
     def n_embd(self) -> int:
@@ -102,54 +190,95 @@ class Tower(PackedDecoding):
     def details(self) -> dict[str, str]:
         return {"attention": self.attention}
 
-    def _decode(self, ids: np.ndarray, at: int = 0, media: MediaPrompt | None = None) -> np.ndarray:
-        """Append ``ids`` (prompt tokens ``at``...) to the sequence, in chunks of ``n_batch`` from the
-        segment's own start: the fixed schedule that makes a restored segment bit-identical to a
-        decoded one. Chunks also keep every call under llama.cpp's per-call n_batch assert (an
-        abort, not an error). With ``media``, a chunk is further cut where its media runs begin and
-        end (one llama_batch is all tokens or all embeddings) and every piece carries its M-RoPE
-        positions."""
-        out: np.ndarray = np.empty((len(ids), self.n_embd), dtype=np.float32)
-        self._ctx.use(self._adapter)
-        for start, end in chunks(0, len(ids), self._ctx.n_batch):
-            try:
-                if media is None:
-                    self._ctx.decode_tokens(np.ascontiguousarray(ids[start:end]))
-                    out[start:end] = self._ctx.rows(end - start, self.n_embd)
-                    continue
-                for begin, stop, row in media.pieces(at + start, at + end):
-                    pos = media.positions[:, begin:stop]
-                    if row is None:
-                        batch = self._positioned.tokens(ids[begin - at:stop - at], pos[0])
-                    else:
-                        batch = self._positioned.embeddings(media.embed()[row:row + stop - begin], pos)
-                    self._ctx.decode(batch)
-                    out[begin - at:stop - at] = self._ctx.rows(stop - begin, self.n_embd)
-            except InferenceError:
-                self._ctx.clear()
-                raise
-        return out
+    @property
+    def threads(self) -> int:
+        return self._ctx.threads
 
     @property
-    def _positioned(self) -> _Positioned:
-        """The batch media prompts are decoded with, made on first use (``n_batch`` x ``n_embd``
-        floats; shared by the views of this tower, used under their lock)."""
-        if self._pool.positioned is None:
-            self._pool.positioned = _Positioned(self._ctx.n_batch, self.n_embd)
-        return self._pool.positioned
+    def gpu_layers(self) -> int:
+        """Layers offloaded (-1: all); 0 on a CPU-only build whatever was asked."""
+        return self._model.gpu_layers
 
-    def _restore(self, buf: np.ndarray) -> None:
-        self._ctx.clear()
-        if not self._ctx.restore(buf, 0):
-            self._ctx.clear()
-            raise InferenceError("llama.cpp could not restore a saved sequence state")
+    @property
+    def uses_nextn(self) -> bool:
+        return self._ctx.nextn
+
+    @property
+    def cache_tag(self) -> str:
+        """What this view's states depend on beyond the tokens and the weights ("": the base)."""
+        return self._schedule.tag
+
+    @property
+    def pack_stats(self) -> collections.Counter[int]:
+        """Sequences per packed decode, counted since this view was made (``clear()`` to restart)."""
+        return self._packer.stats
+
+    @property
+    def pack_rule(self) -> PackRule:
+        return PACKING["gpu" if self.gpu_layers else "cpu"]
+
+    def pack_size(self, n_tokens: int) -> int:
+        """How many prompts of ``n_tokens`` the policy decodes together here (1: one at a time)."""
+        rule = self.pack_rule
+        return rule.pack if self.uses_nextn and n_tokens <= rule.max_tokens else 1
+
+    def forward(self, ids: np.ndarray, prefix: int, state: int,
+                cache: StateCache | None = None, media: MediaPrompt | None = None) -> Forwarded:
+        """``(hidden [T, n_embd], cached_tokens)`` of a prompt ``[prefix][state][rest]`` (token
+        counts) on the canonical schedule; ``media``: its images and videos, decoded as embeddings."""
+        return self._schedule.forward(ids, prefix, state, cache, media)
+
+    def forward_many(self, prompts: list[Prompt], cache: StateCache | None = None,
+                     *, pack: int | None = None) -> list[Forwarded | ClefError]:
+        """``forward`` for several prompts ``(ids, prefix, state)``: one result per prompt, in order,
+        ``(hidden, cached_tokens)`` or the ClefError that prompt raised (the others still run).
+
+        Up to ``pack`` prompts (None: :data:`PACKING` decides, and packs only prompts of up to its
+        ``max_tokens``) are sequences of one packed context and share each ``llama_decode`` (the
+        packer's waves). Every sequence is decoded on its one-by-one chunks, so the hidden states are
+        the ones ``forward`` gives, bit for bit (tests/test_tower.py). ``pack=1`` is ``forward`` for
+        each prompt."""
+        check_pack(pack)
+        cache = usable(cache)
+        rule = self.pack_rule
+        want, limit = (rule.pack, rule.max_tokens) if pack is None else (pack, self.n_ctx)
+        # The memory probe runs a subprocess: before the lock, once, and only where packing may run.
+        may_pack = want > 1 and self.uses_nextn and sum(len(p[0]) <= limit for p in prompts) > 1
+        budget = self._packer.budget(bool(self.gpu_layers)) if may_pack else 0
+        results: list[Result] = [None] * len(prompts)
+        with self._lock:
+            packable: list[Item] = []
+            alone: list[Item] = []
+            for i, (ids, prefix, state) in enumerate(prompts):
+                try:
+                    ids = self._schedule.check(ids)
+                except ClefError as exc:
+                    results[i] = exc
+                    continue
+                fits = want > 1 and self.uses_nextn and len(ids) <= limit
+                (packable if fits else alone).append((i, ids, prefix, state))
+            # The policy's window is fixed, so one context serves every call; an explicit pack
+            # sizes it to this call's longest prompt.
+            window = min(limit, self.n_ctx) if pack is None else max((len(i[1]) for i in packable), default=0)
+            try:
+                ctx = self._packer.context(want, window, budget, rule.ubatch) if len(packable) > 1 else None
+            except ClefError as exc:  # llama.cpp made no packed context: one at a time, as before
+                log.warning("no packed decoding: %s", exc)
+                ctx = None
+            if ctx is None:
+                alone = sorted(packable + alone, key=lambda item: item[0])
+            else:
+                self._packer.decode(ctx, min(want, ctx.seqs), packable, cache, results)
+            for i, ids, prefix, state in alone:
+                results[i] = self._schedule.forward_held(ids, prefix, state, cache)
+        return cast("list[Forwarded | ClefError]", results)  # every prompt has its result now
 
     def hidden_states(self, ids: np.ndarray) -> np.ndarray:
         """Hidden states of one prompt decoded from scratch, as one segment (no reuse)."""
         with self._lock:
-            ids = self._checked(ids)
-            self._ctx.clear()
-            return self._decode(ids)
+            ids = self._schedule.check(ids)
+            self._seq.begin()
+            return self._seq.append(None, ids, 0)
 
     def layer_states(self, ids: np.ndarray, prefix: int, state: int) -> tuple[np.ndarray, list[np.ndarray]]:
         """``(final hidden [T, n_embd], [output of decoder layer 0 .. n_layer - 2]``) of one prompt
@@ -157,7 +286,7 @@ class Tower(PackedDecoding):
         the per-layer parity comparison (docs/parity.md). Staging the layers leaves the final states
         bit-identical."""
         with self._lock:
-            ids = self._checked(ids)
+            ids = self._schedule.check(ids)
             if not self._ctx.can_tap_layers:
                 raise InferenceError("per-layer states need llama.cpp's staging API (layer inputs)")
             n_layer, n_embd = self._model.n_layer, self.n_embd
@@ -179,23 +308,6 @@ class Tower(PackedDecoding):
                 self._ctx.clear()
             return final, inputs[1:]  # layer 0's input is the token embedding
 
-    # The sequence operations of the shared schedule (statecache.SegmentedForward): one
-    # sequence, held by the context itself.
-    def _begin(self) -> None:
-        self._ctx.clear()
-
-    def _resume(self, kept: np.ndarray) -> None:
-        self._restore(kept)
-
-    def _append(self, _seq: None, ids: np.ndarray, start: int, media: MediaPrompt | None = None) -> np.ndarray:
-        return self._decode(ids, start, media)
-
-    def _kept_bytes(self, _seq: None) -> int:
-        return self._ctx.state_size(0)
-
-    def _keep(self, _seq: None, size: int) -> np.ndarray:
-        return self._ctx.save(0, size)
-
     def adapted(self, path: str | Path, *, scale: float = 1.0, tag: str) -> Tower:
         """A view of this tower that applies the LoRA adapter GGUF at ``path`` (times ``scale``):
         the same model, contexts and lock, the adapter switched per decode. ``tag`` names the
@@ -209,11 +321,8 @@ class Tower(PackedDecoding):
                 raise InferenceError("the tower is closed")
             adapter = _Adapter(self._model, Path(path), scale)
             self._pool.adapters.append(adapter)
-        view = copy.copy(self)
-        view._adapter, view.cache_tag = adapter, tag
-        view._prefix = view._packed_prefix = None
-        view.pack_stats = collections.Counter()
-        return view
+        return type(self)(self._model, self._ctx, self.path, pool=self._pool, lock=self._lock,
+                          adapter=adapter, cache_tag=tag)
 
     @property
     def adapter_path(self) -> Path | None:
@@ -224,7 +333,7 @@ class Tower(PackedDecoding):
         if self._adapter is not None:
             return  # a view: the base tower owns the model, the contexts and the adapters
         with self._lock:
-            self._close_packed()
+            self._packer.close()
             self._ctx.close()
             for adapter in self._pool.adapters:
                 adapter.close()  # after the contexts that applied it, before its model

@@ -35,7 +35,8 @@ def check_pack(pack: Any) -> None:
 @runtime_checkable
 class LanguageTower(Protocol):
     """Final hidden states of every prompt token, on the canonical decode schedule
-    (``statecache.SegmentedForward``): the same states whether a segment is decoded or restored."""
+    (``tower.schedule.Schedule``, which each tower owns): the same states whether a segment is
+    decoded or restored."""
 
     path: Path
 

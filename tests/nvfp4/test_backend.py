@@ -149,10 +149,10 @@ def test_the_tower_is_a_language_tower_and_runs_many_one_by_one(clef):
     encoded = [clef.prepare(r).encoded for r in (REQUEST, {**REQUEST, "questions": {"bug": {"type": "noul"}}})]
     prompts = [(e.ids, e.prefix_tokens, e.state_tokens) for e in encoded]
     prompts.insert(1, (np.array([1, 10**7], dtype=np.int32), 0, 0))  # outside the vocab
-    tower._prefix = None  # both runs start from nothing kept
+    tower._schedule.prefix = None  # both runs start from nothing kept
     want_cache = StateCache(64 << 20)
     want = [tower.forward(*p, want_cache) for p in (prompts[0], prompts[2])]
-    tower._prefix = None
+    tower._schedule.prefix = None
     got = tower.forward_many(prompts, StateCache(64 << 20), pack=4)
     assert isinstance(got[1], errors.InferenceError) and "outside the vocab" in got[1].message
     # the second prompt restores the first one's [prefix][state]
