@@ -24,12 +24,12 @@ from pathlib import Path
 import gguf
 import numpy as np
 import torch
-from safetensors import safe_open
 
 from clef_gguf.formats import files
 from clef_gguf.convert import gguf_vocab
 from clef_gguf.convert import tensor_map as tm
 from clef_gguf.core.errors import ConversionError, ModelNotFound
+from clef_gguf.formats.safetensors import Tensors, opened
 
 ARCH = "qwen35"
 # architecture -> where its text hyper-parameters live and the checkpoint prefix of text tensors
@@ -186,16 +186,17 @@ def checkpoint_files(src: Path) -> list[Path]:
     return paths
 
 
+def open_weights(path: Path) -> contextlib.AbstractContextManager[Tensors]:
+    """A checkpoint shard; a damaged one is a ConversionError blaming ``src``."""
+    return opened(path, field="src", error=ConversionError, unreadable=f"cannot read {path.name}")
+
+
 def scan_checkpoint(src: Path) -> dict[str, tuple[Path, list[int], str]]:
     """name -> (file, shape, dtype) from the safetensors headers; no tensor data is read."""
     found: dict[str, tuple[Path, list[int], str]] = {}
     for path in checkpoint_files(src):
-        try:
-            with safe_open(str(path), framework="pt") as fh:
-                header = {name: (list(fh.get_slice(name).get_shape()), fh.get_slice(name).get_dtype())
-                          for name in fh.keys()}
-        except Exception as exc:  # safetensors raises its own error types for truncated/garbled files
-            raise ConversionError(f"cannot read {path.name}: {exc}") from None
+        with open_weights(path) as weights:
+            header = {name: (list(info.shape), info.dtype) for name, info in weights.header().items()}
         for name, (shape, dtype) in header.items():
             if name in found:
                 raise ConversionError(f"tensor {name!r} appears in both {found[name][0].name} and {path.name}")
@@ -293,8 +294,8 @@ def write_tower(src: Path, path: Path, *, outtype: str = "f32", name: str = "cle
             handles = {}
             for item in plan:
                 if item.file not in handles:
-                    handles[item.file] = stack.enter_context(safe_open(str(item.file), framework="pt"))
-                tensor = handles[item.file].get_tensor(item.hf_name).to(torch.float32)
+                    handles[item.file] = stack.enter_context(open_weights(item.file))
+                tensor = handles[item.file].tensor(item.hf_name).to(torch.float32)
                 tensor = tm.apply_edits(tensor, item.edits, d, _skip_edits)
                 yield tm.encode(tensor.numpy(), item.qtype)
 

@@ -28,7 +28,6 @@ from typing import Any
 import gguf
 import numpy as np
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from clef_gguf.formats import files
@@ -38,6 +37,7 @@ from clef_gguf.core.errors import AdapterMismatch, ConversionError, CorruptModel
 from clef_gguf.formats.finetune_files import ADAPTER_FORMAT, ADAPTER_MANIFEST, adapter_file_name
 from clef_gguf.heads.load import load_head
 from clef_gguf.formats.gguf import open_gguf
+from clef_gguf.formats.safetensors import opened, read_header
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -194,15 +194,8 @@ def read_base(base: Path) -> Base:
 
 def scan_adapter(path: Path) -> dict[str, tuple[list[int], str]]:
     """name -> (shape, dtype) from the safetensors header; CorruptModel naming the file."""
-    try:
-        with safe_open(str(path), framework="pt") as fh:
-            return {name: (list(fh.get_slice(name).get_shape()), fh.get_slice(name).get_dtype())
-                    for name in fh.keys()}
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as exc:  # safetensors' Rust panics derive from BaseException
-        raise CorruptModel(f"{path.name} is not a readable safetensors file: {exc}",
-                           field="adapter") from None
+    header = read_header(path, field="adapter", kind="adapter weights")
+    return {name: (list(info.shape), info.dtype) for name, info in header.items()}
 
 
 # --------------------------------------------------------------------------- planning
@@ -296,13 +289,10 @@ def plan_targets(config: dict, found: dict[str, tuple[list[int], str]], base: Ba
 def _payloads(path: Path, targets: list[Target], dims: tm.Dims, fold: bool,
               skip: frozenset[str]) -> Iterator[np.ndarray]:
     with contextlib.ExitStack() as stack:
-        fh = stack.enter_context(safe_open(str(path), framework="pt"))
+        weights = stack.enter_context(opened(path, field="adapter", kind="adapter weights"))
         for t in targets:
-            a = fh.get_tensor(t.a_name).to(torch.float32)
-            b = fh.get_tensor(t.b_name).to(torch.float32)
-            if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
-                raise CorruptModel(f"{path.name}: the LoRA of {t.gguf_name} contains NaN or infinity",
-                                   field="adapter")
+            a = weights.tensor(t.a_name, check_finite=True).to(torch.float32)
+            b = weights.tensor(t.b_name, check_finite=True).to(torch.float32)
             for edit in t.edits:
                 if edit in skip:
                     continue

@@ -25,13 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from clef_gguf.convert.release import PROCESSOR_FILES
 from clef_gguf.core import errors
 from clef_gguf.formats import files
-from clef_gguf.convert.hf_to_gguf import SUPPORTED, load_config, read_json, scan_checkpoint
+from clef_gguf.formats.safetensors import Tensors
+from clef_gguf.convert.hf_to_gguf import SUPPORTED, load_config, open_weights, read_json, scan_checkpoint
 from clef_gguf.tower.nvfp4 import format as fmt
 
 SCHEMES = ("nvfp4a16", "nvfp4")
@@ -105,13 +105,13 @@ class _Reader:
 
     def __init__(self, stack: contextlib.ExitStack, found: dict[str, tuple[Path, list[int], str]]) -> None:
         self.found, self.stack = found, stack
-        self.handles: dict[Path, safe_open] = {}
+        self.handles: dict[Path, Tensors] = {}
 
     def tensor(self, name: str) -> torch.Tensor:
         path = self.found[name][0]
         if path not in self.handles:
-            self.handles[path] = self.stack.enter_context(safe_open(str(path), framework="pt"))
-        return self.handles[path].get_tensor(name)
+            self.handles[path] = self.stack.enter_context(open_weights(path))
+        return self.handles[path].tensor(name)
 
 
 # --------------------------------------------------------------------------- calibration (W4A4)

@@ -13,12 +13,13 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from clef_gguf.core import errors
 from clef_gguf.core.errors import CorruptModel, HeadMismatch, ModelNotFound
 from clef_gguf.formats.files import HEAD_CONFIG, HEAD_WEIGHTS
+from clef_gguf.formats.safetensors import opened
 from clef_gguf.heads.joint import JointSchemaHead
 
 # The constructor's keyword arguments, in the order the release config lists them.
@@ -33,6 +34,9 @@ WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 MAX_SIZE, MAX_LAYERS = 1 << 20, 256
 # How many offending names an error message lists before "... and N more".
 SHOWN = 5
+# ValueError: not UTF-8 or not JSON; RecursionError: nested past Python's stack.
+JSON_ERRORS: dict[type[BaseException], type[errors.ClefError]] = {
+    OSError: CorruptModel, ValueError: CorruptModel, RecursionError: CorruptModel}
 
 
 def check_config(config: object, source: str = HEAD_CONFIG) -> dict[str, int]:
@@ -77,10 +81,8 @@ def read_head_config(path: str | Path) -> dict[str, int]:
     path = Path(path)
     if not path.is_file():
         raise ModelNotFound(f"head config not found: {path}", field="head_config")
-    try:
+    with errors.mapped(JSON_ERRORS, field="head_config", what=f"cannot read head config {path}"):
         config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError) as error:  # ValueError: not UTF-8 or not JSON
-        raise CorruptModel(f"cannot read head config {path}: {error}", field="head_config") from error
     return check_config(config, source=path.name)
 
 
@@ -116,32 +118,18 @@ def load_head(
 
 def _read_weights(path: Path, expected: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
     """The file's tensors, after checking names, shapes, dtypes and finiteness against ``expected``."""
-    if not path.is_file():
-        raise ModelNotFound(f"head weights not found: {path}", field="head_weights")
-    try:
-        # safe_open validates the header against the file size, so truncation is caught here.
-        with safe_open(str(path), framework="pt") as handle:
-            shapes = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
-            problems = _layout_problems(shapes, expected)
-            if problems:
-                raise HeadMismatch(f"{path.name} does not fit the head config: {problems}", field="head_weights")
-            tensors = {name: handle.get_tensor(name) for name in expected}
-    except HeadMismatch:
-        raise
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    # BaseException, not Exception: a Rust panic inside safetensors surfaces as pyo3's PanicException, which
-    # derives from BaseException. Whatever the file does, the caller gets a CorruptModel, not a dead process.
-    except BaseException as error:
-        raise CorruptModel(f"{path.name} is not a readable safetensors file: {error}", field="head_weights") from error
+    with opened(path, field="head_weights", kind="head weights") as weights:
+        shapes = {name: info.shape for name, info in weights.header().items()}
+        problems = _layout_problems(shapes, expected)
+        if problems:
+            raise HeadMismatch(f"{path.name} does not fit the head config: {problems}", field="head_weights")
+        tensors = {name: weights.tensor(name, check_finite=True) for name in expected}
     for name, tensor in tensors.items():
         if tensor.dtype not in WEIGHT_DTYPES:
             raise HeadMismatch(
                 f"{path.name}: tensor {name} has dtype {tensor.dtype}, expected bf16, f16, f32 or f64",
                 field="head_weights",
             )
-        if not bool(torch.isfinite(tensor).all()):
-            raise CorruptModel(f"{path.name}: tensor {name} contains NaN or infinity", field="head_weights")
     return tensors
 
 

@@ -15,11 +15,12 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
+from clef_gguf.core import errors
 from clef_gguf.core.errors import CorruptModel, ModelNotFound
 from clef_gguf.formats.files import VISION_CONFIG, VISION_WEIGHTS
 from clef_gguf.formats.files import VISION_PREFIXES as PREFIXES
+from clef_gguf.formats.safetensors import opened
 from clef_gguf.vision.model import ACTIVATIONS, VisionConfig, VisionModel, rope_inv_freq
 
 FIELD = "vision"
@@ -31,6 +32,9 @@ SIZE_KEYS = ("depth", "hidden_size", "intermediate_size", "num_heads", "patch_si
 MAX_SIZE, MAX_DEPTH = 1 << 16, 256
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 CONV_WEIGHT = "patch_embed.proj.weight"
+# ValueError: not UTF-8 or not JSON; RecursionError: nested past Python's stack.
+JSON_ERRORS: dict[type[BaseException], type[errors.ClefError]] = {
+    OSError: CorruptModel, ValueError: CorruptModel, RecursionError: CorruptModel}
 
 
 def _bad(message: str) -> CorruptModel:
@@ -100,10 +104,8 @@ def expected_shapes(c: VisionConfig) -> dict[str, tuple[int, ...]]:
 def _read_json(path: Path) -> object:
     if not path.is_file():
         raise ModelNotFound(f"vision config not found: {path}", field=FIELD)
-    try:
+    with errors.mapped(JSON_ERRORS, field=FIELD, what=f"cannot read {path}"):
         return json.loads(path.read_bytes().decode("utf-8"))
-    except (OSError, ValueError, RecursionError) as error:  # ValueError: not UTF-8 or not JSON
-        raise _bad(f"cannot read {path}: {error}") from None
 
 
 def _names(items: list[str]) -> str:
@@ -125,49 +127,29 @@ def read_tensors(sources: Mapping[str, tuple[Path, str]], config: VisionConfig) 
         by_file.setdefault(path, []).append(name)
     tensors: dict[str, torch.Tensor] = {}
     for path, names in by_file.items():
-        if not path.is_file():
-            raise ModelNotFound(f"vision weights not found: {path}", field=FIELD)
-        try:
-            # safe_open checks the header against the file size: a truncated file fails here.
-            with safe_open(str(path), framework="pt") as handle:
-                for name in names:
-                    stored = sources[name][1]
-                    shape = tuple(handle.get_slice(stored).get_shape())
-                    if shape != expected[name]:
-                        raise _bad(f"{path.name}: {stored} has shape {list(shape)}, the vision config needs "
-                                   f"{list(expected[name])}")
-                    tensors[name] = handle.get_tensor(stored)
-        except CorruptModel:
-            raise
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        # BaseException: a Rust panic inside safetensors surfaces as pyo3's PanicException.
-        except BaseException as error:
-            raise _bad(f"{path.name} is not a readable safetensors file: {error}") from None
+        with opened(path, field=FIELD, kind="vision weights") as weights:
+            for name in names:
+                stored = sources[name][1]
+                shape = weights.info(stored).shape
+                if shape != expected[name]:
+                    raise _bad(f"{path.name}: {stored} has shape {list(shape)}, the vision config needs "
+                               f"{list(expected[name])}")
+                tensors[name] = weights.tensor(stored, check_finite=True)
     for name, tensor in tensors.items():
         if tensor.dtype not in WEIGHT_DTYPES:
             raise _bad(f"vision tensor {name} has dtype {tensor.dtype}, expected bf16, f16 or f32")
-        if not bool(torch.isfinite(tensor).all()):
-            raise _bad(f"vision tensor {name} contains NaN or infinity")
     return tensors
 
 
-def _header(path: Path) -> list[str]:
-    try:
-        with safe_open(str(path), framework="pt") as handle:
-            return list(handle.keys())
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as error:
-        raise _bad(f"{path.name} is not a readable safetensors file: {error}") from None
+def _header(path: Path, kind: str) -> list[str]:
+    with opened(path, field=FIELD, kind=kind) as weights:
+        return weights.names()
 
 
 def file_sources(config_path: Path, weights: Path) -> tuple[VisionConfig, dict[str, tuple[Path, str]]]:
     """The config and tensor sources of a ``vision_config.json`` + ``vision.safetensors`` pair."""
     config = parse_config(_read_json(config_path), source=config_path.name)
-    if not weights.is_file():
-        raise ModelNotFound(f"vision weights not found: {weights}", field=FIELD)
-    return config, {name: (weights, name) for name in _header(weights)}
+    return config, {name: (weights, name) for name in _header(weights, "vision weights")}
 
 
 def release_config(directory: Path) -> dict | None:
@@ -197,9 +179,7 @@ def release_sources(directory: Path) -> dict[str, tuple[Path, str]]:
     """Stripped name -> (shard, stored name) of every vision tensor in a release (headers only)."""
     found: dict[str, tuple[Path, str]] = {}
     for path in _release_files(directory):
-        if not path.is_file():
-            raise ModelNotFound(f"weight shard not found: {path}", field=FIELD)
-        for stored in _header(path):
+        for stored in _header(path, "weight shard"):
             prefix = next((p for p in PREFIXES if stored.startswith(p)), None)
             if prefix is None:
                 continue

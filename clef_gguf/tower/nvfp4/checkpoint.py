@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from clef_gguf.core import errors
+from clef_gguf.formats.safetensors import opened
 
 FORMAT = "nvfp4-pack-quantized"
 PACKED = ("weight_packed", "weight_scale", "weight_global_scale")
@@ -23,6 +23,13 @@ ACTIVATION_SCALE = "input_global_scale"
 # Where the text model's tensors live in the two Hugging Face layouts of Qwen3.5.
 TEXT_PREFIXES = ("model.language_model.", "model.")
 INDEX = "model.safetensors.index.json"
+FIELD = "tower"
+# ValueError: not UTF-8 or not JSON; RecursionError: nested past Python's stack.
+JSON_ERRORS: dict[type[BaseException], type[errors.ClefError]] = {
+    OSError: errors.CorruptModel, ValueError: errors.CorruptModel, RecursionError: errors.CorruptModel}
+# compressed-tensors validates with pydantic (ValidationError, a ValueError), or fails on a non-dict
+# with whatever pydantic raises then: any failure of its validation is a damaged config.
+CONFIG_ERRORS: dict[type[BaseException], type[errors.ClefError]] = {Exception: errors.CorruptModel}
 
 
 @dataclass(frozen=True)
@@ -32,12 +39,10 @@ class Scheme:
 
 
 def _read_json(path: Path) -> dict:
-    try:
+    with errors.mapped(JSON_ERRORS, field=FIELD, what=f"{path} is not readable JSON"):
         data = json.loads(path.read_bytes())
-    except (OSError, ValueError, RecursionError) as exc:
-        raise errors.CorruptModel(f"{path} is not readable JSON ({exc})", field="tower") from None
     if not isinstance(data, dict):
-        raise errors.CorruptModel(f"{path} is not a JSON object", field="tower")
+        raise errors.CorruptModel(f"{path} is not a JSON object", field=FIELD)
     return data
 
 
@@ -49,14 +54,12 @@ def parse_quantization(config: dict, path: Path) -> Any:  # compressed-tensors' 
         raise errors.MissingDependency("the nvfp4 backend needs compressed-tensors: "
                                        "pip install 'clef-gguf[nvfp4]'", field="backend") from None
     raw = config.get("quantization_config")
-    try:
+    with errors.mapped(CONFIG_ERRORS, field=FIELD,
+                       what=f"{path}: quantization_config is not a compressed-tensors config"):
         parsed = QuantizationConfig.model_validate(raw)
-    except Exception as exc:  # pydantic's ValidationError, or a TypeError on a non-dict
-        raise errors.CorruptModel(f"{path}: quantization_config is not a compressed-tensors "
-                                  f"config ({str(exc).splitlines()[0]})", field="tower") from None
     if parsed.format != FORMAT:
         raise errors.CorruptModel(f"{path}: format {parsed.format!r} is not {FORMAT!r}: the nvfp4 "
-                                  "backend runs NVFP4 checkpoints only", field="tower")
+                                  "backend runs NVFP4 checkpoints only", field=FIELD)
     return parsed
 
 
@@ -71,35 +74,35 @@ class Checkpoint:
         text = self.config.get("text_config", self.config)
         if not isinstance(text, dict) or text.get("model_type", "qwen3_5_text") not in (
                 "qwen3_5_text", "qwen3_5"):
-            raise errors.CorruptModel(f"{self.config_path}: not a Qwen3.5 text model", field="tower")
+            raise errors.CorruptModel(f"{self.config_path}: not a Qwen3.5 text model", field=FIELD)
         self.text_config = text
         self._where = self._index()
         prefix = next((p for p in TEXT_PREFIXES if f"{p}norm.weight" in self._where), None)
         if prefix is None:
             raise errors.CorruptModel(f"{self.directory} holds no Qwen3.5 text model "
-                                      "(no model.language_model.norm.weight)", field="tower")
+                                      "(no model.language_model.norm.weight)", field=FIELD)
         self.prefix: str = prefix
         self.quantized = sorted(n[:-len(".weight_packed")] for n in self._where
                                 if n.startswith(self.prefix) and n.endswith(".weight_packed"))
         if not self.quantized:
             raise errors.CorruptModel(f"{self.directory} has no NVFP4 tensors (*.weight_packed)",
-                                      field="tower")
+                                      field=FIELD)
         with_input = [m for m in self.quantized if f"{m}.{ACTIVATION_SCALE}" in self._where]
         if with_input and len(with_input) != len(self.quantized):
             raise errors.CorruptModel(f"{len(with_input)} of {len(self.quantized)} NVFP4 layers "
                                       f"have an {ACTIVATION_SCALE}: a mixed W4A4/W4A16 checkpoint",
-                                      field="tower")
+                                      field=FIELD)
         self.scheme = Scheme("NVFP4" if with_input else "NVFP4A16", bool(with_input))
         for module in self.quantized:
             missing = [s for s in PACKED if f"{module}.{s}" not in self._where]
             if missing:
-                raise errors.CorruptModel(f"{module} lacks {', '.join(missing)}", field="tower")
+                raise errors.CorruptModel(f"{module} lacks {', '.join(missing)}", field=FIELD)
         tied = bool(self.config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
         self.lm_head = "lm_head.weight" if "lm_head.weight" in self._where or not tied \
             else f"{self.prefix}embed_tokens.weight"
         if self.lm_head not in self._where:
             raise errors.CorruptModel(f"{self.directory} has no {self.lm_head}: the head needs its "
-                                      "rows", field="tower")
+                                      "rows", field=FIELD)
 
     def _index(self) -> dict[str, Path]:
         """Tensor name -> the shard holding it (the index file, or every shard's own header)."""
@@ -107,7 +110,7 @@ class Checkpoint:
         if index.is_file():
             weight_map = _read_json(index).get("weight_map")
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-                raise errors.CorruptModel(f"{index} has no weight_map of file names", field="tower")
+                raise errors.CorruptModel(f"{index} has no weight_map of file names", field=FIELD)
             where = {name: self.directory / Path(shard).name for name, shard in weight_map.items()}
         else:
             where = {}
@@ -117,20 +120,21 @@ class Checkpoint:
                 for name in self._keys(shard):
                     where[name] = shard
         if not where:
-            raise errors.CorruptModel(f"{self.directory} has no model*.safetensors", field="tower")
+            raise errors.CorruptModel(f"{self.directory} has no model*.safetensors", field=FIELD)
         for shard in set(where.values()):
             if not shard.is_file():
-                raise errors.ModelNotFound(f"checkpoint shard not found: {shard}", field="tower")
+                raise errors.ModelNotFound(f"checkpoint shard not found: {shard}", field=FIELD)
         return where
 
     @staticmethod
     def _keys(shard: Path) -> list[str]:
-        try:
-            with safe_open(shard, framework="pt") as f:
-                return list(f.keys())
-        except Exception as exc:  # safetensors raises its own SafetensorError on bad headers
-            raise errors.CorruptModel(f"{shard} is not a readable safetensors file ({exc})",
-                                      field="tower") from None
+        with opened(shard, field=FIELD, kind="checkpoint shard") as f:
+            return f.names()
+
+    def _shard(self, name: str) -> Path:
+        if name not in self._where:
+            raise errors.CorruptModel(f"tensor {name} is missing from the checkpoint", field=FIELD)
+        return self._where[name]
 
     @property
     def shards(self) -> list[Path]:
@@ -143,31 +147,19 @@ class Checkpoint:
         return name in self._where
 
     def tensor(self, name: str) -> torch.Tensor:
-        try:
-            with safe_open(self._where[name], framework="pt") as f:
-                return f.get_tensor(name)
-        except KeyError:
-            raise errors.CorruptModel(f"tensor {name} is missing from the checkpoint",
-                                      field="tower") from None
-        except Exception as exc:
-            raise errors.CorruptModel(f"cannot read {name} from {self._where[name].name} ({exc})",
-                                      field="tower") from None
+        with opened(self._shard(name), field=FIELD, kind="checkpoint shard") as f:
+            return f.tensor(name)
 
     def rows(self, name: str, ids: list[int]) -> torch.Tensor:
         """Rows ``ids`` of a 2-D tensor, read one slice at a time (never the whole table)."""
-        try:
-            with safe_open(self._where[name], framework="pt") as f:
-                table = f.get_slice(name)
-                return torch.stack([table[i:i + 1][0] for i in ids]) if ids else \
-                    torch.empty((0, table.get_shape()[1]))
-        except Exception as exc:
-            raise errors.CorruptModel(f"cannot read rows of {name} ({exc})", field="tower") from None
+        with opened(self._shard(name), field=FIELD, kind="checkpoint shard") as f:
+            return f.rows(name, ids)
 
     def shape(self, name: str) -> list[int]:
-        with safe_open(self._where[name], framework="pt") as f:
-            return list(f.get_slice(name).get_shape())
+        with opened(self._shard(name), field=FIELD, kind="checkpoint shard") as f:
+            return list(f.info(name).shape)
 
     def dtype(self, name: str) -> str:
         """The stored dtype as safetensors names it (BF16, F32, U8, F8_E4M3...)."""
-        with safe_open(self._where[name], framework="pt") as f:
-            return f.get_slice(name).get_dtype()
+        with opened(self._shard(name), field=FIELD, kind="checkpoint shard") as f:
+            return f.info(name).dtype
