@@ -87,3 +87,25 @@ def test_envelope_without_model_uses_served_name_and_marks_truncation():
     out = answer.envelope(r, [np.array([0.5, 0.5], dtype=np.float32)], 5, PROV, truncated=True,
                           option_token_ids=np.arange(2))
     assert out["model"] == "clef-test" and out["truncated"] is True
+
+
+def test_one_audit_shape_for_a_response_and_a_batch():
+    from clef_gguf.pipeline.answer import Provenance, audit, batch_envelope
+
+    p = Provenance("m", "h", "llama-cpp-python", "f32", "t")
+    one = audit(p, allowed_token_set_hash=["a"], input_tokens=[5])
+    assert one == {"model_hash": "h", "calibration_version": "none", "prompt_template_sha256": ["t"],
+                   "allowed_token_set_hash": ["a"], "input_tokens": [5], "backend": "llama-cpp-python",
+                   "precision": "f32"}
+    empty = audit(p)
+    assert empty["prompt_template_sha256"] == empty["input_tokens"] == [] and empty["model_hash"] == "h"
+    assert audit(None, {"backend": "b"})["backend"] == "b" and audit(None)["model_hash"] == "unknown"
+    r1 = {"model": "m", "answers": {"q": 1}, "usage": {"input_tokens": 5}, "audit": one}
+    r2 = {"model": "m", "answers": {"q": 2}, "usage": {"input_tokens": 7}, "truncated": True,
+          "audit": audit(p, allowed_token_set_hash=["b"], input_tokens=[7])}
+    out = batch_envelope([("x", r1, None), ("y", None, {"code": "invalid_value"}), ("z", r2, None)], "m", empty)
+    assert out["results"] == [{"id": "x", "answers": {"q": 1}}, {"id": "y", "error": {"code": "invalid_value"}},
+                              {"id": "z", "answers": {"q": 2}, "truncated": True}]
+    assert out["usage"] == {"input_tokens": 12, "output_tokens": 0}
+    assert out["audit"]["allowed_token_set_hash"] == ["a", "b"] and out["audit"]["input_tokens"] == [5, 7]
+    assert batch_envelope([("y", None, {"code": "c"})], "m", empty)["audit"] is empty

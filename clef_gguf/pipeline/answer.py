@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -83,6 +84,29 @@ def allowed_token_hash(option_token_ids: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(option_token_ids, dtype="<i4").tobytes()).hexdigest()
 
 
+# The audit's fields that hold one entry per answered prompt (a batch's lists them all, in order).
+AUDIT_LISTS = ("prompt_template_sha256", "allowed_token_set_hash", "input_tokens")
+
+
+def audit(provenance: Provenance | None, info: Mapping[str, Any] | None = None, *,
+          allowed_token_set_hash: list[str] | None = None, input_tokens: list[int] | None = None) -> dict:
+    """The ``audit`` block TypeSafe-style clients require: who answered, and per answered prompt its
+    template, allowed token set and token count (none: nothing was answered, as an empty batch says).
+    ``info`` stands in for what a provenance-less server model cannot say."""
+    hashes, tokens, info = allowed_token_set_hash or [], input_tokens or [], info or {}
+    p = provenance
+    block: dict[str, Any] = {
+        "model_hash": p.model_hash if p and p.model_hash else "unknown",
+        "calibration_version": p.calibration_version if p else "none",
+        "prompt_template_sha256": [p.template_sha256] * len(hashes) if p else [],
+        "allowed_token_set_hash": hashes, "input_tokens": tokens,
+        "backend": p.backend if p and p.backend else info.get("backend", "unknown"),
+        "precision": p.precision if p and p.precision else info.get("precision", "unknown")}
+    if p is not None and p.fine_tune is not None and hashes:
+        block["fine_tune"] = dict(p.fine_tune)
+    return block
+
+
 def envelope(request: Request, probs: list[np.ndarray], n_tokens: int, provenance: Provenance,
              *, truncated: bool, option_token_ids: np.ndarray, cached_tokens: int = 0) -> dict:
     answers = {q.id: answer(q, p) for q, p in zip(request.questions, probs)}
@@ -91,20 +115,40 @@ def envelope(request: Request, probs: list[np.ndarray], n_tokens: int, provenanc
         "answers": answers,
         # cached_tokens: prompt tokens restored from the state cache instead of decoded
         "usage": {"input_tokens": n_tokens, "output_tokens": 0, "cached_tokens": cached_tokens},
-        "audit": {
-            "model_hash": provenance.model_hash,
-            "calibration_version": provenance.calibration_version,
-            "prompt_template_sha256": [provenance.template_sha256],
-            "allowed_token_set_hash": [allowed_token_hash(option_token_ids)],
-            "input_tokens": [n_tokens],
-            "backend": provenance.backend,
-            "precision": provenance.precision,
-        },
+        "audit": audit(provenance, allowed_token_set_hash=[allowed_token_hash(option_token_ids)],
+                       input_tokens=[n_tokens]),
     }
-    if provenance.fine_tune is not None:
-        response["audit"]["fine_tune"] = dict(provenance.fine_tune)
     if truncated:
         response["truncated"] = True
     if request.warnings:  # keys the reference ignores, named so that a typo does not go unseen
         response["warnings"] = [dict(w) for w in request.warnings]
     return response
+
+
+def batch_envelope(results: list[tuple[Any, dict | None, dict | None]], model: str | None,
+                   empty_audit: dict) -> dict[str, Any]:
+    """A batch's response from its inputs' ``(id, response, error)`` in input order: each answered
+    input's answers, one audit whose lists hold an entry per answered input (``empty_audit`` when
+    none was), and, when fine-tunes named per input mixed in it, each result's model and hash."""
+    answered = [r for _, r, _ in results if r is not None]
+    mixed = len({r["audit"]["model_hash"] for r in answered}) > 1
+    out: list[dict[str, Any]] = []
+    for item_id, response, error in results:
+        if response is None:
+            out.append({"id": item_id, "error": error})
+            continue
+        result = {"id": item_id, "answers": response["answers"]}
+        if response.get("truncated"):
+            result["truncated"] = True
+        if mixed:
+            result |= {"model": response["model"], "model_hash": response["audit"]["model_hash"]}
+        out.append(result)
+    block = empty_audit
+    if answered:
+        block = {k: (list(v) if k in AUDIT_LISTS else v) for k, v in answered[0]["audit"].items()}
+        for r in answered[1:]:
+            for key in AUDIT_LISTS:
+                block[key].extend(r["audit"].get(key, []))
+    return {"model": model, "results": out,
+            "usage": {"input_tokens": sum(r["usage"]["input_tokens"] for r in answered), "output_tokens": 0},
+            "audit": block}

@@ -81,7 +81,7 @@ class LoadSettings(pydantic.BaseModel):
         help="never download: catalog names resolve from the local cache only")] = Field(default=False, description=(
             "download a catalog model missing from the local Hugging Face cache (the Python API's "
             "default is not to; the commands download unless --offline)"))
-    state_cache_mb: Annotated[float, Field(ge=0, lt=1 << 30), Flag(type=argtypes.megabytes)] = Field(
+    state_cache_mb: Annotated[float, pydantic.Strict(), Field(ge=0, lt=1 << 30), Flag(type=argtypes.megabytes)] = Field(
         default=DEFAULT_MB, description=(
         "memory for reusing decoded states: another question set about a state seen before decodes "
         "only its questions, a repeated request skips the tower "

@@ -22,13 +22,13 @@ from clef_gguf.runtime import engine
 from clef_gguf.core import errors
 from clef_gguf.core.errors import ClefError
 from clef_gguf.media.sources import MediaPolicy
+from clef_gguf.pipeline import answer
 from clef_gguf.server import schema
 from clef_gguf.server.http import ApiError
 from clef_gguf.server.state import ServedModel
 from clef_gguf.server.workqueue import Job
 
 ENTRY_KEYS = frozenset(schema.BatchEntry.model_fields)
-AUDIT_LISTS = ("prompt_template_sha256", "allowed_token_set_hash", "input_tokens")
 
 
 @dataclass
@@ -199,43 +199,10 @@ def compute_items(clef: engine.Model, items: list[BatchItem], job: Job) -> bool:
     return all(outcome is not None for outcome in outcomes)
 
 
-def _base_audit(clef: ServedModel) -> dict[str, Any]:
-    """The audit of a batch in which no input was answered: who would have answered."""
-    p, info = clef.provenance, clef.info
-    return {"model_hash": p.model_hash if p and p.model_hash else "unknown",
-            "calibration_version": p.calibration_version if p else "none",
-            "prompt_template_sha256": [], "allowed_token_set_hash": [], "input_tokens": [],
-            "backend": p.backend if p and p.backend else info.get("backend", "unknown"),
-            "precision": p.precision if p and p.precision else info.get("precision", "unknown")}
-
-
 def batch_response(items: list[BatchItem], model: str | None,
                    clef: ServedModel) -> dict[str, Any]:
-    """Results in input order; audit list fields hold one entry per answered input, in order."""
-    results: list[dict[str, Any]] = []
-    audit: dict[str, Any] | None = None
-    tokens = 0
-    # The batch's audit is one model's: inputs answered by several (fine-tunes named per request)
-    # each say which, with its hash.
-    mixed = len({i.response["audit"]["model_hash"] for i in items if i.response is not None}) > 1
-    for item in items:
-        if item.response is None:
-            error = item.error or errors.NotComputed("not computed").to_dict()["error"]
-            results.append({"id": item.id, "error": error})
-            continue
-        result = {"id": item.id, "answers": item.response["answers"]}
-        if item.response.get("truncated"):
-            result["truncated"] = True
-        if mixed:
-            result |= {"model": item.response["model"], "model_hash": item.response["audit"]["model_hash"]}
-        results.append(result)
-        tokens += item.response["usage"]["input_tokens"]
-        one = item.response["audit"]
-        if audit is None:
-            audit = {k: (list(v) if k in AUDIT_LISTS else v) for k, v in one.items()}
-        else:
-            for key in AUDIT_LISTS:
-                audit[key].extend(one.get(key, []))
-    return {"model": model, "results": results,
-            "usage": {"input_tokens": tokens, "output_tokens": 0},
-            "audit": audit if audit is not None else _base_audit(clef)}
+    """Results in input order (``answer.batch_envelope``); a batch in which no input was answered
+    says in its audit who would have answered."""
+    not_computed = errors.NotComputed("not computed").to_dict()["error"]
+    return answer.batch_envelope([(i.id, i.response, None if i.response else i.error or not_computed)
+                                  for i in items], model, answer.audit(clef.provenance, clef.info))
