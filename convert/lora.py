@@ -33,6 +33,7 @@ from safetensors.torch import save_file
 from clef_gguf.formats import files
 from clef_gguf.convert import tensor_map as tm
 from clef_gguf.convert.hf_to_gguf import ARCH, SUPPORTED, read_json, stream_gguf
+from clef_gguf.core import errors
 from clef_gguf.core.errors import AdapterMismatch, ConversionError, CorruptModel, ModelNotFound
 from clef_gguf.formats.finetune_files import ADAPTER_FORMAT, ADAPTER_MANIFEST, adapter_file_name
 from clef_gguf.heads.load import load_head
@@ -172,7 +173,9 @@ def read_base(base: Path) -> Base:
                               f"adapters convert for {ARCH!r} only", field="base")
     shapes = {t.name: tuple(int(n) for n in t.shape) for t in reader.tensors}
     k = lambda key: meta(f"{ARCH}.{key}")  # noqa: E731
-    try:
+    # A key missing (None: TypeError), or not the type it should be.
+    with errors.mapped(dict.fromkeys((KeyError, TypeError, ValueError), CorruptModel), field="base",
+                       what=f"{found.tower} lacks the qwen35 settings an adapter needs"):
         state = int(k("ssm.state_size"))
         dims = tm.Dims(hidden=int(k("embedding_length")), ffn=int(k("feed_forward_length")),
                        vocab=len(reader.fields["tokenizer.ggml.tokens"].data),
@@ -183,9 +186,6 @@ def read_base(base: Path) -> Base:
                        layer_types=["linear_attention" if r else "full_attention"
                                     for r in k("attention.recurrent_layers")])
         n_layer = int(k("block_count"))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CorruptModel(f"{found.tower} lacks the qwen35 settings an adapter needs ({exc})",
-                           field="base") from None
     identity = {"name": found.name, "tower": found.tower.name,
                 "tower_sha256": found.sha256_of(found.tower), "architecture": ARCH,
                 "n_embd": dims.hidden, "n_layer": n_layer, "n_vocab": dims.vocab}
