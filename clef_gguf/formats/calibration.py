@@ -118,6 +118,11 @@ class Calibration:
                 from None
         return cls.parse(body, source=str(path))
 
+    @property
+    def is_identity(self) -> bool:
+        """Whether this is ``IDENTITY``: the reference's probabilities (no file was given)."""
+        return self.version == NONE
+
     def temperature(self, question_type: str, n_options: int) -> float:
         t = self.temperatures
         return t.get(key(question_type, n_options), t.get(question_type, 1.0))
@@ -138,8 +143,9 @@ class Calibration:
 
     def check_requested(self, asked: Any) -> None:
         """A request's ``calibration``: absent or this version, else refused (it would get other
-        probabilities than it asked for, silently)."""
-        if asked is None or (isinstance(asked, str) and asked == self.version):
+        probabilities than it asked for, silently). Uncalibrated, the key is ignored (with a warning,
+        by the parser), as the reference ignores it."""
+        if self.is_identity or asked is None or (isinstance(asked, str) and asked == self.version):
             return
         wanted = ("no calibration (\"none\")" if asked == NONE else
                   f"calibration {json.dumps(asked, default=repr)[:60]}")
@@ -164,10 +170,14 @@ class Calibration:
         return path
 
 
-def load(value: str | Path | Calibration | None) -> Calibration | None:
-    """``Clef.load(calibration=)``: a path, a Calibration, or None / "none" for no calibration."""
-    if value is None or isinstance(value, Calibration):
+# What an uncalibrated model applies: T = 1 everywhere, the reference's probabilities.
+IDENTITY = Calibration(NONE, {}, {})
+
+
+def load(value: str | Path | Calibration | None) -> Calibration:
+    """``Clef.load(calibration=)``: a path, a Calibration, or None / "none": ``IDENTITY``."""
+    if isinstance(value, Calibration):
         return value
-    if str(value) == NONE:
-        return None
+    if value is None or str(value) == NONE:
+        return IDENTITY
     return Calibration.load(value)

@@ -119,7 +119,7 @@ def load(settings: LoadSettings, make: Callable[..., M]) -> Models[M]:
                     strict=settings.strict, state_cache=StateCache(int(settings.state_cache_mb * (1 << 20))),
                     media=media, settings=settings)
         models = _with_fine_tunes(base, settings)
-        if cal is not None:
+        if not cal.is_identity:
             chosen: Any = models.default_model
             cal.check_bound(chosen.calibration_binding())
             models.models[chosen.name] = chosen.calibrated(cal)
@@ -140,6 +140,6 @@ def _with_fine_tunes(base: M, settings: LoadSettings) -> Models[M]:
         parts: Any = base  # a Clef (a dataclass): the fine-tune is the base with its own parts
         tune = finetunes.load(parts.tower, parts.provenance, parts.lexical.hidden_size, parts.head_dtype, name, found)
         tunes[name] = dataclasses.replace(parts, tower=tune.tower, head=tune.head, provenance=tune.provenance,
-                                          info=parts.info | tune.info, calibration=None, base=base)
+                                          info=parts.info | tune.info, calibration=calibration_file.IDENTITY, base=base)
     default = next(iter(names)) if fine_default else base.name
     return Models(base, tunes, default=default, strict=settings.strict)

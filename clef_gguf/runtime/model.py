@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from clef_gguf.core import errors
-from clef_gguf.formats.calibration import Calibration, binding
+from clef_gguf.formats.calibration import IDENTITY, Calibration, binding
 from clef_gguf.formats.files import ModelFiles
 from clef_gguf.media.sources import MediaPolicy
 from clef_gguf.media.support import MediaSupport, warnings as media_warnings
@@ -48,7 +48,7 @@ class Clef:
     state_cache: StateCache = field(default_factory=StateCache)
     media: MediaSupport = field(default_factory=MediaSupport.none)  # processor, vision tower (lazy)
     settings: LoadSettings = field(default_factory=lambda: LoadSettings())  # what it was loaded with
-    calibration: Calibration | None = None  # temperatures per question; None: the reference's T = 1
+    calibration: Calibration = IDENTITY  # temperatures per question, applied by the answer stage
     base: Clef | None = None  # a fine-tune's base (None: this is the base, it owns the tower)
 
     @overload
@@ -117,9 +117,8 @@ class Clef:
         t0 = time.perf_counter()
         parsed = parse_request(request, truncate_state=truncate_state,
                                strict=self.strict if strict is None else strict,
-                               calibrated=self.calibration is not None)
-        if self.calibration is not None:
-            self.calibration.check_requested(parsed.calibration)
+                               calibrated=not self.calibration.is_identity)
+        self.calibration.check_requested(parsed.calibration)
         if parsed.has_media:
             media = self.media.tokens(parsed, self.encoder, media_policy)
             parsed = dataclasses.replace(parsed, warnings=parsed.warnings + media_warnings(media))
@@ -147,9 +146,9 @@ class Clef:
         enc = self.prepare(request, truncate_state=truncate_state).encoded
         return answer.split_probabilities(self.logits(enc), enc.option_counts, self.temperatures(enc))
 
-    def temperatures(self, enc: Encoded) -> tuple[float, ...] | None:
-        """The calibration's temperature of each question of ``enc`` (None: uncalibrated)."""
-        return None if self.calibration is None else self.calibration.temperatures_for(enc.types, enc.option_counts)
+    def temperatures(self, enc: Encoded) -> tuple[float, ...]:
+        """The calibration's temperature of each question of ``enc`` (all 1: uncalibrated)."""
+        return self.calibration.temperatures_for(enc.types, enc.option_counts)
 
     # ------------------------------------------------------------ many requests
     def decide_many(self, requests: Iterable[Any], *, truncate_state: bool = False,
