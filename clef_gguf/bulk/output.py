@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from clef_gguf.bulk.deps import need
@@ -86,7 +87,7 @@ def read_journal(path: Path) -> list[dict]:
     return records
 
 
-def _replace(path: Path, write) -> None:
+def _replace(path: Path, write: Callable[[Path], object]) -> None:
     """Write ``path`` whole through a temporary file: a crash leaves the old file or the new."""
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     write(tmp)
@@ -158,7 +159,7 @@ class Output:
         return table.to_pylist()
 
 
-def parquet_schema():
+def parquet_schema() -> Any:  # a pyarrow.Schema (pyarrow is optional)
     pa = need("pyarrow", "parquet")
     return pa.schema([("id", pa.string()), ("model", pa.string()), ("answers", pa.string()),
                       ("usage", pa.string()), ("audit", pa.string()), ("warnings", pa.string()),

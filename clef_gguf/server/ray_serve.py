@@ -46,7 +46,7 @@ class ClefReplica:
         self.app_factory, self.app_kwargs = app_factory, app_kwargs
         self._clef_app = None
 
-    def __serve_build_asgi_app__(self):
+    def __serve_build_asgi_app__(self) -> Any:  # the FastAPI app Ray Serve serves
         self._clef_app = self.app_factory(self.clef, **self.app_kwargs)
         return self._clef_app
 
@@ -59,7 +59,7 @@ class ClefReplica:
 
 
 def application(settings: LoadSettings, app_factory: Callable, app_kwargs: dict, *, replicas: int,
-                threads: int, queue_size: int, drain_s: float = 300.0):
+                threads: int, queue_size: int, drain_s: float = 300.0) -> Any:  # Ray Serve's Application
     """The Ray Serve application: bind it with ``serve.run``."""
     serve = need("ray.serve", "ray")
     ingress = serve.ingress()(ClefReplica)

@@ -61,7 +61,8 @@ def test_binding_mismatch_names_what_differs():
     with pytest.raises(errors.CalibrationMismatch, match="tower_sha256"):
         c.check_bound(BOUND | {"tower_sha256": "x" * 64})
     assert cal.load(None) is cal.IDENTITY and cal.load("none") is cal.IDENTITY and cal.load(c) is c
-    assert cal.IDENTITY.is_identity and not c.is_identity and cal.IDENTITY.temperatures_for((0, 1), (2, 3)) == (1.0, 1.0)
+    assert cal.IDENTITY.is_identity and not c.is_identity
+    assert cal.IDENTITY.temperatures_for((0, 1), (2, 3)) == (1.0, 1.0)
 
 
 def test_split_probabilities_without_temperatures_is_unchanged():
