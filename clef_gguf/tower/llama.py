@@ -9,6 +9,10 @@ Importing this module adds nothing to what importing llama_cpp itself does (llam
 import sets its default log callback): our log callback is installed and the backend initialised
 once, on the first model load (:func:`ensure_backend`), so an application that set its own callback
 keeps it until it loads a tower.
+
+The module runs past 400 lines because it is one wrapper per llama.cpp resource (model, context,
+batch, positioned batch, adapter) with the ctypes declarations they need, kept together as
+llama-cpp-python keeps its own in ``_internals.py``: what frees each resource sits beside what makes it.
 """
 
 from __future__ import annotations

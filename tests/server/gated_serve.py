@@ -13,7 +13,7 @@ import threading
 import time
 from pathlib import Path
 
-from clef_gguf.runtime import flags as cli_options
+from clef_gguf.runtime import flags
 from clef_gguf.server import app
 
 HOLD_LIMIT_S = 120.0  # a test that never releases must not keep the process alive forever
@@ -45,9 +45,9 @@ class FileGated:
 
 def main() -> int:
     gate = Path(sys.argv[1])
-    real_load = cli_options.load_model
+    real_load = flags.load_model
     # ``serve`` looks the loader up when it starts, so replacing it here is enough.
-    cli_options.load_model = lambda args: FileGated(real_load(args), gate)
+    flags.load_model = lambda args: FileGated(real_load(args), gate)
     return app.main(sys.argv[2:])
 
 
