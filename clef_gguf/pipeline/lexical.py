@@ -18,12 +18,6 @@ import numpy.typing as npt
 from clef_gguf.core.errors import CorruptModel
 from clef_gguf.formats.gguf import ggml_to_float
 
-# Only for runtime/backends.py and runtime/finetunes.py, which still import the reader from here:
-# everything else imports it from clef_gguf.formats.gguf.
-from clef_gguf.formats.gguf import check_header as check_header
-from clef_gguf.formats.gguf import field_value as field_value
-from clef_gguf.formats.gguf import file_type_name as file_type_name
-from clef_gguf.formats.gguf import open_gguf as open_gguf
 
 OUTPUT, TIED = "output.weight", "token_embd.weight"
 # Dequantized rows kept: the device policy's lexical-row budget for Clef-Flash (models/catalog.json)

@@ -83,7 +83,8 @@ class Opened:
 
 
 def open_gguf_tower(found: model_files.ModelFiles) -> Opened:
-    from clef_gguf.pipeline.lexical import LexicalRows, check_header, field_value, file_type_name, open_gguf
+    from clef_gguf.formats.gguf import check_header, field_value, file_type_name, open_gguf
+    from clef_gguf.pipeline.lexical import LexicalRows
     from clef_gguf.tower.llama_tower import Tower
 
     # gguf-py validates the whole file table first: llama.cpp aborts on some corrupt files.

@@ -85,7 +85,7 @@ class FineTune:
 def _check_adapter_file(path: Path, name: str) -> None:
     """gguf-py reads the whole header and tensor table first (llama.cpp aborts the process on some
     damaged files); then what llama.cpp's loader wants: a LoRA adapter for a ``qwen35`` model."""
-    from clef_gguf.pipeline.lexical import field_value, open_gguf
+    from clef_gguf.formats.gguf import field_value, open_gguf
 
     reader = open_gguf(path, field="adapter")
     found = {key: field_value(reader, key) for key in ADAPTER_GGUF_KEYS}

@@ -24,7 +24,6 @@ from clef_gguf.core.errors import ClefError
 from clef_gguf.media.sources import MediaPolicy
 from clef_gguf.pipeline import answer
 from clef_gguf.server import schema
-from clef_gguf.server.http import ApiError
 from clef_gguf.server.state import ServedModel
 from clef_gguf.server.workqueue import Job
 
@@ -134,27 +133,26 @@ def _too_many(where: str, count: int, max_items: int) -> errors.TooManyInputs:
 
 
 def parse_batch(body: Any, max_items: int) -> tuple[list[BatchItem], str | None]:
-    """The inputs in order, and the model name to echo. Whole-batch problems raise ApiError;
+    """The inputs in order, and the model name to echo. Whole-batch problems raise their ClefError;
     an input's own problem is that input's result."""
     if not isinstance(body, dict):
-        raise ApiError(errors.InvalidValue("the request must be a JSON object"))
+        raise errors.InvalidValue("the request must be a JSON object")
     if "requests" in body:
         model: type[schema.InputsBatch | schema.RequestsBatch] = schema.RequestsBatch
         where = "requests"
     elif isinstance(body.get("state"), list):
         model, where = schema.InputsBatch, "state"
     else:
-        raise ApiError(errors.InvalidBatch("a batch needs 'state' as a list of inputs ({id, text} "
-                                           "objects or strings) or 'requests' as a list of "
-                                           "requests", field="state"))
+        raise errors.InvalidBatch("a batch needs 'state' as a list of inputs ({id, text} objects or "
+                                  "strings) or 'requests' as a list of requests", field="state")
     entries = body.get(where)
     count = len(entries) if isinstance(entries, list) else None
     try:
         parsed = model.model_validate(body)
     except pydantic.ValidationError as exc:
-        raise ApiError(_whole_batch_error(exc, where, count, max_items)) from None
+        raise _whole_batch_error(exc, where, count, max_items) from None
     if count is not None and count > max_items:
-        raise ApiError(_too_many(where, count, max_items))
+        raise _too_many(where, count, max_items)
     if isinstance(parsed, schema.RequestsBatch):
         items = [_from_request(i, entry, parsed) for i, entry in enumerate(parsed.requests)]
     else:

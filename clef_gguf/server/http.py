@@ -15,7 +15,7 @@ import re
 import socket
 import time
 import uuid
-from collections.abc import Mapping, MutableMapping
+from collections.abc import MutableMapping
 from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
@@ -43,13 +43,6 @@ def error_response(error: ClefError) -> Response:
     """The API's error body ``{"error": {"code", "message", "field"}}`` of a registered error
     (``clef_gguf.core.errors`` holds every code, its status and its headers)."""
     return json_response(error.to_dict(), error.status, error.headers)
-
-
-def ApiError(error: ClefError, headers: Mapping[str, str] | None = None) -> ClefError:
-    """``error`` with ``headers`` added: only for server/state.py and server/batch.py, which still
-    raise ``ApiError(...)``; anything else raises the registered error itself."""
-    error.headers.update(headers or {})
-    return error
 
 
 def dumps(obj: Any) -> bytes:

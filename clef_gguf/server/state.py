@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 from clef_gguf.runtime import engine
 
 from clef_gguf.core.errors import ClefError, ModelLoading, ModelUnavailable
-from clef_gguf.server.http import ApiError
 
 if TYPE_CHECKING:
     from clef_gguf.pipeline.answer import Provenance
@@ -105,9 +104,8 @@ class Served:
         if self.clef is not None:
             return self.clef
         if self.error is not None:
-            raise ApiError(ModelUnavailable(f"the model failed to load: {self.error.message}"))
-        raise ApiError(ModelLoading("the model is still loading"),
-                       headers={"Retry-After": LOADING_RETRY_AFTER})
+            raise ModelUnavailable(f"the model failed to load: {self.error.message}")
+        raise ModelLoading("the model is still loading", retry_after=int(LOADING_RETRY_AFTER))
 
 
 def loader_for(model: Any, settings: Mapping[str, Any]) -> Callable[[], ServedModel]:
