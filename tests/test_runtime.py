@@ -301,8 +301,9 @@ def test_decide_many_packed_equals_one_by_one(tiny_model_dir):
 
 def answer_probs(clef, prepared, hidden):
     from clef_gguf.pipeline import answer
+    from clef_gguf.runtime.stages import head_logits
 
-    logits = clef._head_logits(prepared.encoded, hidden)[0]
+    logits = head_logits(clef.head, clef.lexical, prepared.encoded, hidden)[0]
     return answer.split_probabilities(logits, prepared.encoded.option_counts)
 
 

@@ -26,7 +26,7 @@ from clef_gguf.pipeline import answer
 from clef_gguf.pipeline.encode import TEMPLATE_SHA256, Encoded, Encoder, Prepared
 from clef_gguf.pipeline.lexical import RowStore
 from clef_gguf.pipeline.request import parse_request
-from clef_gguf.runtime import engine, load as loader
+from clef_gguf.runtime import engine, load as loader, stages
 from clef_gguf.runtime.registry import Models
 from clef_gguf.runtime.settings import Adapters, LoadSettings
 from clef_gguf.tower.cache import StateCache
@@ -69,13 +69,7 @@ class Clef:
         them, the ``Models`` of the base and its fine-tunes (one tower whatever their number):
         ``decide`` routes by a request's ``model``, ``models[name]`` is one that answers as itself.
         ``precision`` is ``head_dtype``'s earlier name."""
-        if precision is not None:
-            if settings.get("head_dtype", "fp32") not in ("fp32", precision):
-                raise errors.InvalidSetting(f"precision={precision!r} and head_dtype={settings['head_dtype']!r} "
-                                            "disagree: precision is head_dtype's earlier name, give one",
-                                            field="precision")
-            settings["head_dtype"] = precision
-        models = cls.from_settings(LoadSettings.of(model=model, adapters=adapters, **settings))
+        models = cls.from_settings(LoadSettings.of(model=model, adapters=adapters, precision=precision, **settings))
         return models if adapters is not None else models.default_model
 
     @classmethod
@@ -139,7 +133,7 @@ class Clef:
     def logits(self, enc: Encoded) -> np.ndarray:
         """Flat fp32 head logits of a prepared prompt, every option of every question."""
         hidden, _ = self.tower.forward(enc.ids, enc.prefix_tokens, enc.state_tokens, self.state_cache, enc.media)
-        return self._head_logits(enc, hidden)[0]
+        return stages.head_logits(self.head, self.lexical, enc, hidden)[0]
 
     def probabilities(self, request: Any, *, truncate_state: bool = False) -> list[np.ndarray]:
         """Unrounded fp32 probabilities per question, in prompt option order (parity checks)."""
@@ -180,32 +174,9 @@ class Clef:
                     engine.attempt(self._answer, prepared[i], *tower, share)
         return [out[i] if i in out else engine.attempt(self.run, p) for i, p in enumerate(prepared)]
 
-    # ------------------------------------------------------------ after the tower
-    def _head_logits(self, enc: Encoded, hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
-        """(flat fp32 logits, option token ids, perf_counter after the lexical rows) of ``hidden``."""
-        option_ids = enc.option_token_ids()
-        rows = self.lexical.rows(option_ids)
-        t = time.perf_counter()
-        with torch.inference_mode():
-            logits = self.head(torch.from_numpy(hidden), torch.from_numpy(rows).to(self.head_dtype),
-                               list(enc.question_spans), list(enc.option_spans), list(enc.option_counts),
-                               list(enc.types))
-        return logits.float().numpy(), option_ids, t
-
     def _answer(self, prepared: Prepared, hidden: np.ndarray, cached: int, tower_ms: float) -> answer.Decision:
-        """What ``run`` does after the tower (lexical rows, head, answer), on given hidden states."""
-        enc, t1 = prepared.encoded, time.perf_counter()
-        logits, option_ids, t2 = self._head_logits(enc, hidden)
-        t3 = time.perf_counter()
-        probs = answer.split_probabilities(logits, enc.option_counts, self.temperatures(enc))
-        response = answer.envelope(prepared.request, probs, enc.n_tokens, self.provenance, truncated=enc.truncated,
-                                   option_token_ids=option_ids, cached_tokens=cached)
-        t4 = time.perf_counter()
-        ms = lambda a, b: round((b - a) * 1e3, 3)  # noqa: E731
-        return answer.Decision(response, {
-            "encode": round(prepared.encode_ms, 3), "tower": round(tower_ms, 3), "lexical": ms(t1, t2),
-            "head": ms(t2, t3), "answer": ms(t3, t4),
-            "total": round(prepared.encode_ms + tower_ms + (t4 - t1) * 1e3, 3), "tokens": enc.n_tokens})
+        return stages.decision(prepared, hidden, cached, tower_ms, head=self.head, lexical=self.lexical,
+                               provenance=self.provenance, temperatures=self.temperatures(prepared.encoded))
 
     def close(self) -> None:
         self.tower.close()  # a fine-tune's view closes nothing: the base's tower owns the weights

@@ -104,8 +104,15 @@ class LoadSettings(pydantic.BaseModel):
             "unless a request's \"model\" names one"))
 
     @classmethod
-    def of(cls, **values: Any) -> LoadSettings:
-        """Settings from keywords, a bad one refused as ``invalid_setting`` naming its field."""
+    def of(cls, *, precision: str | None = None, **values: Any) -> LoadSettings:
+        """Settings from keywords, a bad one refused as ``invalid_setting`` naming its field.
+        ``precision`` is ``head_dtype``'s earlier name (the audit's "precision" is the tower's)."""
+        if precision is not None:
+            if values.get("head_dtype", "fp32") not in ("fp32", precision):
+                raise errors.InvalidSetting(f"precision={precision!r} and head_dtype={values['head_dtype']!r} "
+                                            "disagree: precision is head_dtype's earlier name, give one",
+                                            field="precision")
+            values["head_dtype"] = precision
         try:
             return cls(**values)
         except pydantic.ValidationError as exc:

@@ -27,6 +27,8 @@ from clef_gguf.pipeline import answer
 from clef_gguf.tower.cache import StateCache
 from clef_gguf.core.errors import InvalidValue
 from clef_gguf.tower.llama_tower import Tower, extra_buffer_types
+from clef_gguf.runtime.stages import head_logits
+
 
 class BarePrefill:
     """A plain llama.cpp context: logits for the last token of each chunk, nothing else."""
@@ -151,7 +153,7 @@ def _agreement(clef, prepared: list, pack: int) -> dict:
     for p, prompt, got in zip(prepared, prompts, packed):
         ref = clef.tower.forward(*prompt, None)[0]
         dh.append(float(np.abs(got[0] - ref).max()))
-        a, b = (clef._head_logits(p.encoded, h)[0] for h in (got[0], ref))
+        a, b = (head_logits(clef.head, clef.lexical, p.encoded, h)[0] for h in (got[0], ref))
         pa, pb = (answer.split_probabilities(x, p.encoded.option_counts) for x in (a, b))
         dp.append(max(float(np.abs(x - y).max()) for x, y in zip(pa, pb)))
     return {"max_abs_dh": max(dh, default=0.0), "max_abs_dp": max(dp, default=0.0)}

@@ -21,6 +21,7 @@ from clef_gguf.pipeline.answer import split_probabilities
 from clef_gguf.tower.nvfp4 import format as fmt
 from clef_gguf.tower.nvfp4.checkpoint import Checkpoint
 from clef_gguf.convert.samples import SAMPLE_REQUESTS
+from clef_gguf.runtime.stages import head_logits
 
 REQUEST = SAMPLE_REQUESTS[1]
 # On the random tiny256 release (seed 0) against its f32 GGUF conversion, over SAMPLE_REQUESTS:
@@ -135,8 +136,8 @@ def test_segments_and_cache_reuse_give_the_same_bytes(model_dir, scheme):
             assert float(np.abs(whole - seg).max()) < 1e-4
         else:
             apart = [np.abs(a - b).max() for a, b in zip(
-                split_probabilities(plain._head_logits(enc, whole)[0], enc.option_counts),
-                split_probabilities(plain._head_logits(enc, seg)[0], enc.option_counts))]
+                split_probabilities(head_logits(plain.head, plain.lexical, enc, whole)[0], enc.option_counts),
+                split_probabilities(head_logits(plain.head, plain.lexical, enc, seg)[0], enc.option_counts))]
             assert float(max(apart)) < MAX_DP[scheme]
 
 

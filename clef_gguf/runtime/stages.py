@@ -1,0 +1,51 @@
+"""After the tower: lexical rows -> head -> answer, each stage timed, for one prompt's hidden states.
+
+Functions of the model's parts, not methods of it, so that ``Clef`` reads as the data path: prepare,
+the tower, then these.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from clef_gguf.pipeline import answer
+from clef_gguf.pipeline.encode import Encoded, Prepared
+from clef_gguf.pipeline.lexical import RowStore
+
+
+def head_logits(head: torch.nn.Module, lexical: RowStore, enc: Encoded,
+                hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
+    """(flat fp32 logits of every option of every question, option token ids, perf_counter after the
+    lexical rows) of a prompt's hidden states."""
+    option_ids = enc.option_token_ids()
+    rows = lexical.rows(option_ids)
+    t = time.perf_counter()
+    dtype = next(head.parameters()).dtype
+    with torch.inference_mode():
+        logits = head(torch.from_numpy(hidden), torch.from_numpy(rows).to(dtype), list(enc.question_spans),
+                      list(enc.option_spans), list(enc.option_counts), list(enc.types))
+    return logits.float().numpy(), option_ids, t
+
+
+def decision(prepared: Prepared, hidden: np.ndarray, cached: int, tower_ms: float, *, head: torch.nn.Module,
+             lexical: RowStore, provenance: answer.Provenance, temperatures: Sequence[float]) -> answer.Decision:
+    """The response to ``prepared`` from its hidden states, with the time of every stage (ms)."""
+    enc, t1 = prepared.encoded, time.perf_counter()
+    logits, option_ids, t2 = head_logits(head, lexical, enc, hidden)
+    t3 = time.perf_counter()
+    probs = answer.split_probabilities(logits, enc.option_counts, tuple(temperatures))
+    response = answer.envelope(prepared.request, probs, enc.n_tokens, provenance, truncated=enc.truncated,
+                               option_token_ids=option_ids, cached_tokens=cached)
+    t4 = time.perf_counter()
+
+    def ms(a: float, b: float) -> float:
+        return round((b - a) * 1e3, 3)
+
+    return answer.Decision(response, {
+        "encode": round(prepared.encode_ms, 3), "tower": round(tower_ms, 3), "lexical": ms(t1, t2),
+        "head": ms(t2, t3), "answer": ms(t3, t4),
+        "total": round(prepared.encode_ms + tower_ms + (t4 - t1) * 1e3, 3), "tokens": enc.n_tokens})
