@@ -136,11 +136,11 @@ class NVFP4Tower:
 
     @property
     def n_embd(self) -> int:
-        return self.model.hidden_size
+        return self._seqs.n_embd
 
     @property
     def n_vocab(self) -> int:
-        return self.model.vocab_size
+        return self._seqs.n_vocab
 
     @property
     def n_ctx(self) -> int:
