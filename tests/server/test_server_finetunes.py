@@ -113,3 +113,18 @@ def test_serve_flags(tmp_path, tiny_model_dir, tiny_fine_tunes, alone):
     with serve_process(tmp_path, "--model", str(tiny_model_dir), f"--adapter=a={tiny_fine_tunes['a']}",
                        f"--adapter=a={tiny_fine_tunes['b']}") as (proc, url, _):
         assert proc.wait(DEADLINE_S) == 2
+
+
+def test_a_real_client_naming_the_family_gets_the_served_fine_tune(tiny_model_dir, tiny_fine_tunes, alone):
+    """avrik-sdk sends the model name its user gives, as Workers AI clients send "clef-flash": a server
+    started with one --adapter DIR answers it with that fine-tune (the reference ignores ``model``)."""
+    from avrik_sdk import Client
+
+    body = request_body(2)
+    with Clef.load(tiny_model_dir, max_length=2048, threads=2, adapters=tiny_fine_tunes["a"]) as only_a, \
+            ThreadServer(only_a) as srv, Client(srv.url, timeout=DEADLINE_S) as client:
+        for name in ("clef-flash", "@cf/cloudflare/clef-flash", "a"):
+            decision = client.decide(body["state"], body["questions"], model=name)
+            got = decision.model_dump(exclude_none=True, exclude_defaults=True)
+            assert got["answers"] == alone["a"][2]["answers"] and decision.model == name
+            assert decision.audit.model_hash == alone["a"][2]["audit"]["model_hash"]
