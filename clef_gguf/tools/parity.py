@@ -18,12 +18,16 @@ import argparse
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from clef_gguf.convert.samples import SAMPLE_REQUESTS
 from clef_gguf.core import errors
+
+if TYPE_CHECKING:
+    from clef_gguf.runtime.model import Clef
+
 
 # Requests exercising every question type, short and long states, JSON and text: data, not code.
 @dataclass
@@ -159,13 +163,13 @@ def segment_tails(prefix: int, state: int, rest: int, n_batch: int) -> dict[str,
     return {"prefix": tail(prefix), "state": tail(state), "rest": tail(rest)}
 
 
-def per_request(clef: Any, reference: Reference, requests: list[dict], *,
+def per_request(clef: Clef, reference: Reference, requests: list[dict], *,
                 layers: bool = False) -> list[RequestRow]:
     """One row per request. Ours is ``Clef.probabilities`` (the production path); with ``layers`` the
     prompt is decoded once more on the same schedule with every layer's output staged."""
     from clef_gguf.pipeline.request import parse_request
 
-    tower = clef.tower
+    tower: Any = clef.tower  # layer_states: the llama.cpp tower's, checked below
     if layers and not hasattr(tower, "layer_states"):
         raise errors.InvalidValue("--layers needs a GGUF tower (llama.cpp's staging API)", field="layers")
     # A tower that decodes each segment in one piece (nvfp4) has each segment as its own tail.
@@ -187,7 +191,7 @@ def per_request(clef: Any, reference: Reference, requests: list[dict], *,
     return rows
 
 
-def run_parity(clef: Any, reference: Reference, requests: list[dict], *, margin: float = 0.01) -> ParityReport:
+def run_parity(clef: Clef, reference: Reference, requests: list[dict], *, margin: float = 0.01) -> ParityReport:
     ours = [clef.probabilities(r) for r in requests]
     ref = [reference.probabilities(r) for r in requests]
     return compare(ours, ref, model=clef.info["name"] + ":" + clef.info["quant"], margin=margin)
@@ -220,7 +224,8 @@ def run(args: argparse.Namespace) -> int:
     if args.layers and not args.per_request:
         raise errors.InvalidValue("--layers is a column of --per-request", field="layers")
     reference = Reference(args.release, dtype=args.reference_dtype)
-    with load_model(args) as clef:
+    with load_model(args) as models:
+        clef = models.default_model  # the model compared: the fine-tune when one --adapter is given
         report = run_parity(clef, reference, requests, margin=args.margin).to_dict()
         if args.per_request:
             report["attention"] = clef.info.get("attention")
