@@ -29,7 +29,6 @@ if TYPE_CHECKING:
     from clef_gguf.runtime.model import Clef
 
 
-# Requests exercising every question type, short and long states, JSON and text: data, not code.
 @dataclass
 class ParityReport:
     model: str
