@@ -107,7 +107,7 @@ def speed(paths: dict, qtype: str, tokens: int, rounds: int, threads: int) -> di
     with Clef.load(paths["base"][qtype], adapters=paths["finetunes"]["a"], threads=threads,
                    state_cache_mb=0) as adapted, \
             Clef.load(paths["merged"][qtype], threads=threads, state_cache_mb=0) as merged:
-        request = sized_request(adapted, tokens)
+        request = sized_request(adapted.default_model, tokens)
         adapted.decide(request)  # warm-up both: page in the mmap, reserve the graphs
         merged.decide(request)
         a_ms: list[float] = []

@@ -145,6 +145,23 @@ def test_the_family_name_is_an_alias_of_the_base(served):
     got = models.decide(dict(REQUEST, model="clef-flash"))
     assert "warnings" not in got and _answers(got) == _answers(served.decide(REQUEST))
     assert "warnings" in models.decide(dict(REQUEST, model="clef"))  # another family: not this model
+    # The family name means the default model: a bare --adapter's fine-tune when it is the default.
+    tuned = Models(named, {"a": served.models["a"]}, default="a")
+    got = tuned.decide(dict(REQUEST, model="clef-flash"))
+    assert "warnings" not in got and _answers(got) == _answers(served.decide(dict(REQUEST, model="a")))
+
+
+def test_one_model_answers_any_name_strict_or_not(served):
+    from clef_gguf.runtime.registry import Models
+
+    for strict in (False, True):
+        alone = Models(served.base, strict=strict)
+        got = alone.decide(dict(REQUEST, model="@cf/cloudflare/clef-flash"))
+        assert got["model"] == "@cf/cloudflare/clef-flash" and "warnings" not in got
+        assert _answers(got) == _answers(served.decide(REQUEST))
+    import dataclasses
+
+    assert Models.of(dataclasses.replace(served.base, strict=True)).strict  # a strict Clef's set is strict
 
 
 def test_without_fine_tunes_any_model_name_is_echoed(tiny_model_dir):

@@ -322,4 +322,6 @@ def test_run_many_matches_run_and_the_policy_packs_on_the_cpu(clef):
     with pytest.raises(errors.InvalidValue):
         clef.run_many(prepared, pack=0)
     with pytest.raises(errors.InvalidValue):
+        clef.run_many(prepared, pack=0)
+    with pytest.raises(errors.InvalidValue):
         list(clef.decide_many([REQUEST], pack=True))

@@ -23,11 +23,11 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     LoadSettings.add_arguments(p)
 
 
-def load_model(args: argparse.Namespace, **overrides: Any) -> Models:
-    """The models the parsed flags name (``overrides``: settings a command fixes itself)."""
+def load_model(args: argparse.Namespace) -> Models:
+    """The models the parsed flags name."""
     from clef_gguf.runtime.model import Clef  # torch + llama.cpp only once a command loads
 
-    return Clef.from_settings(LoadSettings.from_args(args, **overrides))
+    return Clef.from_settings(LoadSettings.from_args(args))
 
 
 def read_request(source: str) -> Any:

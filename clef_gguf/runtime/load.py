@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from clef_gguf.core import errors
-from clef_gguf.core.cpus import check_threads, set_torch_threads
+from clef_gguf.core.cpus import set_torch_threads
 from clef_gguf.formats import calibration as calibration_file
 from clef_gguf.formats import files as model_files
 from clef_gguf.heads import head_scalars, load_head
@@ -79,7 +79,6 @@ def load(settings: LoadSettings, make: Callable[..., M]) -> Models[M]:
     """Every model ``settings`` name: the base, and its fine-tunes on the same tower, each made by
     ``make`` (``Clef``: handed in by ``Clef.load``, so that loading does not import the model)."""
     cal = calibration_file.load(settings.calibration)  # a bad file fails before the tower loads
-    check_threads(settings.head_threads, "head_threads")
     found = resolve(settings)
     opened = backends.open_tower_files(found, settings.backend)
     lexical = opened.lexical
@@ -118,19 +117,23 @@ def load(settings: LoadSettings, make: Callable[..., M]) -> Models[M]:
         base = make(found, tower, lexical, joint, encoder, provenance, info | {"vision": media.describe()},
                     strict=settings.strict, state_cache=StateCache(int(settings.state_cache_mb * (1 << 20))),
                     media=media, settings=settings)
-        models = _with_fine_tunes(base, settings)
-        if not cal.is_identity:
-            chosen: Any = models.default_model
+        tunes, default = _fine_tunes(base, settings)
+        if not cal.is_identity:  # the model that answers by default applies it, wherever it is held
+            chosen: Any = tunes.get(default, base)
             cal.check_bound(chosen.calibration_binding())
-            models.models[chosen.name] = chosen.calibrated(cal)
-        return models
+            if default in tunes:
+                tunes[default] = chosen.calibrated(cal)
+            else:
+                base = chosen.calibrated(cal)
+        return Models(base, tunes, default=default, strict=settings.strict)
     except BaseException:
         tower.close()
         raise
 
 
-def _with_fine_tunes(base: M, settings: LoadSettings) -> Models[M]:
-    """The base and the fine-tunes ``settings.adapters`` names, each a view of the base's tower."""
+def _fine_tunes(base: M, settings: LoadSettings) -> tuple[dict[str, M], str]:
+    """The fine-tunes ``settings.adapters`` names, each a view of the base's tower, by name, and the
+    name of the model that answers by default."""
     names, fine_default = finetunes.named(settings.adapters)
     tunes: dict[str, M] = {}
     for name, found in names.items():
@@ -141,5 +144,4 @@ def _with_fine_tunes(base: M, settings: LoadSettings) -> Models[M]:
         tune = finetunes.load(parts.tower, parts.provenance, parts.lexical.hidden_size, parts.head_dtype, name, found)
         tunes[name] = dataclasses.replace(parts, tower=tune.tower, head=tune.head, provenance=tune.provenance,
                                           info=parts.info | tune.info, calibration=calibration_file.IDENTITY, base=base)
-    default = next(iter(names)) if fine_default else base.name
-    return Models(base, tunes, default=default, strict=settings.strict)
+    return tunes, next(iter(names)) if fine_default else base.name

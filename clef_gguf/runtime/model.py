@@ -30,7 +30,7 @@ from clef_gguf.runtime import engine, load as loader, stages
 from clef_gguf.runtime.registry import Models
 from clef_gguf.runtime.settings import Adapters, LoadSettings
 from clef_gguf.tower.cache import StateCache
-from clef_gguf.tower.protocol import LanguageTower
+from clef_gguf.tower.protocol import LanguageTower, check_pack
 
 
 @dataclass(eq=False)
@@ -161,6 +161,7 @@ class Clef:
         Text prompts share llama_decodes up to ``pack`` (None: the tower's policy, 1: one at a time),
         with the same answers; a media prompt decodes alone. A packed request's ``tower`` time is its
         share of the packed decode."""
+        check_pack(pack)
         text = [i for i, p in enumerate(prepared) if pack != 1 and p.encoded.media is None]
         out: dict[int, engine.Outcome] = {}
         if len(text) > 1:

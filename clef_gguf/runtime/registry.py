@@ -19,7 +19,6 @@ import numpy as np
 from clef_gguf.core import errors
 from clef_gguf.pipeline.encode import Prepared
 from clef_gguf.runtime import engine
-from clef_gguf.tower.protocol import check_pack
 
 if TYPE_CHECKING:
     from clef_gguf.media.sources import MediaPolicy
@@ -79,14 +78,15 @@ class Models(Mapping[str, M]):
         if self.default not in self.models:
             raise errors.InvalidSetting(f"the default model {self.default!r} is not loaded", field="model")
         family = family_of(base.name)
-        # Names clients send for the model itself; a fine-tune's own name wins over an alias.
-        self.aliases = {family: base.name} if family and family not in self.models else {}
+        # The name clients send for "the Clef model" answers as a request naming none does (the default,
+        # a bare --adapter's fine-tune included); a fine-tune's own name wins over the alias.
+        self.aliases = {family: self.default} if family and family not in self.models else {}
         self.strict = strict
 
     @classmethod
     def of(cls, loaded: M | Models[M]) -> Models[M]:
         """``loaded`` as a set of models: a single ``Clef`` is the set of that one."""
-        return loaded if isinstance(loaded, Models) else cls(loaded)
+        return loaded if isinstance(loaded, Models) else cls(loaded, strict=getattr(loaded, "strict", False))
 
     # ------------------------------------------------------------ the mapping
     def __getitem__(self, name: str) -> M:
@@ -116,8 +116,9 @@ class Models(Mapping[str, M]):
 
     # ------------------------------------------------------------ routing
     def route(self, name: str | None, *, strict: bool | None = None) -> tuple[M, dict[str, str] | None]:
-        """The model a request's ``model`` names, and the warning to answer with (None: none)."""
-        if name is None:
+        """The model a request's ``model`` names, and the warning to answer with (None: none). With
+        one model there is nothing to choose: any name is answered by it and echoed, as before."""
+        if name is None or len(self.models) == 1:
             return self.default_model, None
         found = self.models.get(self.aliases.get(name, name))
         if found is not None:
@@ -154,7 +155,6 @@ class Models(Mapping[str, M]):
 
     def run_many(self, prepared: list[Prepared], *, pack: int | None = None) -> list[engine.Outcome]:
         """``Clef.run_many`` per model (one decode applies one adapter), outcomes in input order."""
-        check_pack(pack)
         groups: dict[str, list[int]] = {}
         for i, p in enumerate(prepared):
             groups.setdefault(p.model, []).append(i)

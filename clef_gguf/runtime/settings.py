@@ -40,7 +40,6 @@ class Flag:
     type: Callable[[str], Any] | None = None  # argparse's value type (refuses with exit 2)
     action: str | None = None  # "store_true", "append"
     metavar: str | None = None
-    default: Any = None  # the command line's default where it differs from the Python API's
     to_setting: Callable[[Any], Any] | None = None  # the parsed value -> the field's value
     help: str | None = None  # where the flag says it the other way round (--offline)
 
@@ -106,7 +105,11 @@ class LoadSettings(pydantic.BaseModel):
     @classmethod
     def of(cls, *, precision: str | None = None, **values: Any) -> LoadSettings:
         """Settings from keywords, a bad one refused as ``invalid_setting`` naming its field.
-        ``precision`` is ``head_dtype``'s earlier name (the audit's "precision" is the tower's)."""
+        ``precision`` is ``head_dtype``'s earlier name (the audit's "precision" is the tower's);
+        ``backend`` and ``gpu_layers`` None mean auto, as ``Clef.load`` always took them."""
+        for name in ("backend", "gpu_layers"):
+            if name in values and values[name] is None:
+                values[name] = "auto"
         if precision is not None:
             if values.get("head_dtype", "fp32") not in ("fp32", precision):
                 raise errors.InvalidSetting(f"precision={precision!r} and head_dtype={values['head_dtype']!r} "
@@ -144,8 +147,7 @@ class LoadSettings(pydantic.BaseModel):
                 kwargs["choices"] = choices
             if flag.metavar:
                 kwargs["metavar"] = flag.metavar
-            kwargs["default"] = flag.default if flag.default is not None else \
-                False if flag.action == "store_true" else None if flag.action else spec.default
+            kwargs["default"] = False if flag.action == "store_true" else None if flag.action else spec.default
             group.add_argument(*(flag.names or (f"--{name.replace('_', '-')}",)), **kwargs)
 
     @classmethod
@@ -168,11 +170,14 @@ class LoadSettings(pydantic.BaseModel):
         for key, value in pairs.items():
             if key not in cls.model_fields and key != "offline":
                 raise errors.InvalidSetting(f"unknown load setting {key!r}", field=key)
-            flag = cls.flag(key) if key in cls.model_fields else cls.flag("allow_download")
+            yes = value.lower() in ("1", "true", "yes")
+            if key in ("offline", "allow_download"):  # one flag, --offline, says both
+                argv += ["--offline"] if yes == (key == "offline") else []
+                continue
+            flag = cls.flag(key)
             option = (flag.names or (f"--{key.replace('_', '-')}",))[0]
             if flag.action == "store_true":
-                if value.lower() in ("1", "true", "yes"):
-                    argv.append(option)
+                argv += [option] if yes else []
             else:
                 argv += [option, value]
         try:

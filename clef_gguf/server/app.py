@@ -70,9 +70,10 @@ def create_app(model: Any, *, api_key: str | None = None,
                on_load_error: Callable[[ClefError], None] | None = None,
                tokenize_workers: int = DEFAULT_TOKENIZE_WORKERS, ui: bool = True,
                media_policy: MediaPolicy = INLINE_ONLY) -> FastAPI:
-    """The ASGI app. ``model``: a loaded ``Clef`` (served as is, not closed at shutdown), a model
-    directory / catalog name (loaded in the background with ``Clef.load(model, **load_kwargs)``),
-    or a zero-argument callable returning a ``Clef`` (also loaded in the background).
+    """The ASGI app. ``model``: a loaded ``Clef`` or ``Models`` (served as is, not closed at
+    shutdown), a model directory / catalog name (its ``Models`` loaded in the background with
+    ``Clef.load(model, **load_kwargs)``'s settings), or a zero-argument callable returning either
+    (also loaded in the background; ``runtime.flags.load_model`` for ``serve``).
 
     ``queue_size`` bounds both waits: requests waiting for one of the ``tokenize_workers``
     threads, and prepared requests waiting for the model. ``ui``: serve the playground page on
@@ -199,9 +200,9 @@ def run(args: argparse.Namespace) -> int:
     for name in ("clef_gguf.server", "uvicorn.error"):  # the per-request lines and startup
         logging.getLogger(name).setLevel(logging.INFO)
     if args.engine == "ray-serve":
-        from clef_gguf.server import ray_serve as serve_ray
+        from clef_gguf.server import ray_serve
 
-        return serve_ray.run(args, create_app)
+        return ray_serve.run(args, create_app)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         log.warning("listening on %s without --api-key: anyone who can reach this port can use "
                     "the model", args.host)

@@ -6,11 +6,11 @@ Each replica loads the model in its constructor, so Ray Serve routes to it only 
 answer; then the app is built on the replica (``__serve_build_asgi_app__``) around that model and
 its lifespan starts the app's queues as under uvicorn. Ray Serve's health check asks the same
 thing as ``GET /health``: a replica whose model is not ``ok`` is restarted. The app factory is a
-parameter (``create_app`` itself, passed by ``clef_gguf.server.app`` or ``serve_app``) so that
+parameter (``create_app`` itself, passed by ``clef_gguf.server.app`` or ``ray_app``) so that
 this module does not import the server that starts it.
 
 Ray Serve spreads requests over the replicas without regard to their state, so the state cache
-hits less often than with one process; README.md gives a routing key for state affinity.
+hits less often than with one process; docs/batch.md gives a routing key for state affinity.
 """
 
 from __future__ import annotations

@@ -61,6 +61,11 @@ def test_bad_settings_name_their_field(values, field):
     assert exc.value.field == field and field in exc.value.message
 
 
+def test_none_is_auto_for_backend_and_gpu_layers_as_clef_load_always_took_them():
+    got = LoadSettings.of(backend=None, gpu_layers=None)
+    assert (got.backend, got.gpu_layers) == ("auto", "auto")
+
+
 def test_bad_flags_exit_2(capsys):
     for bad in (["--threads", "0"], ["--gpu-layers", "some"], ["--head-dtype", "fp8"], ["--state-cache-mb", "-3"]):
         with pytest.raises(SystemExit) as exc:
@@ -73,6 +78,9 @@ def test_key_value_strings_are_checked_as_flags():
                                      "offline": "true"})
     assert (got.threads, got.strict, got.head_threads, got.allow_download) == (3, True, 2, False)
     assert LoadSettings.from_strings({"model": "m"}).allow_download is True
+    assert LoadSettings.from_strings({"model": "m", "allow_download": "true"}).allow_download is True
+    assert LoadSettings.from_strings({"model": "m", "allow_download": "false"}).allow_download is False
+    assert LoadSettings.from_strings({"model": "m", "offline": "false"}).allow_download is True
     for bad in ({"model": "m", "threads": "0"}, {"model": "m", "nope": "1"}):
         with pytest.raises(errors.InvalidSetting):
             LoadSettings.from_strings(bad)
@@ -106,3 +114,4 @@ def test_every_flag_reaches_the_model_the_local_engine_loads(flags):
         assert str(base.head_dtype) == "torch.bfloat16" and base.tower.n_ctx == 1024
         assert base.settings.allow_download is False  # --offline
         assert models["ft"].settings == base.settings and models["ft"].provenance.fine_tune["name"] == "ft"
+        assert models.base is base  # the calibrated base is the one the set holds, closes and routes to

@@ -11,7 +11,7 @@
   const HISTORY_KEY = "clef-gguf.history";
   const API_KEY = "clef-gguf.api-key";
   const HISTORY_MAX = 20;
-  const MAX_DEPTH = 512;  // the server's nesting limit (clef_gguf/request.py)
+  const MAX_DEPTH = 512;  // the server's nesting limit (clef_gguf/pipeline/request.py)
   const NOUL_DEFAULTS = {
     true: "The proposition is true or the answer is yes.",
     false: "The proposition is false or the answer is no.",
