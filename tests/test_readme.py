@@ -306,3 +306,26 @@ def test_the_architecture_page_copies_the_layer_table():
         names = {w.strip() for w in cell.split(",")} - {"nothing", ""}
         shown = (below_apps if "below the apps" in names else set()) | (names - {"below the apps"})
         assert shown == lower[name], f"{name}: the page says {sorted(shown)}, LOWER {sorted(lower[name])}"
+
+
+def test_the_readme_decision_and_python_api_run_as_pasted(tmp_path):
+    """The first command after its install steps (this suite runs installed), then the Python API
+    block, in a new folder: the demo model is built, decides, and the Python lines run."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    first = _readme_commands()[0].strip()
+    install, sep, decide = first.partition("pip install . && ")
+    assert sep and decide.startswith("clef-gguf demo ./demo-model && "), first
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    proc = subprocess.run(["bash", "-c", decide], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    response = json.loads(proc.stdout[proc.stdout.rindex('{\n  "model"'):])  # demo printed its summary first
+    assert set(response["answers"]) == {"overdue", "action", "risk"}
+    (python,) = re.findall(r"```python\n(.*?)\n```", (ROOT / "README.md").read_text(), re.DOTALL)
+    proc = subprocess.run([sys.executable, "-c", python], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
