@@ -45,7 +45,7 @@ SLOW_MODULES = {
     "tests/test_scripts.py": "the GPU check script in a subprocess",
     "tests/models/test_hub_decide.py": "a fake Hub server and a CLI download",
     "tests/models/test_hub_vision.py": "a fake Hub serving a sharded release; image decisions through it",
-    "tests/test_finetune.py": "PEFT merges and transformers reference runs of fine-tunes",
+    "tests/runtime/test_finetune.py": "PEFT merges and transformers reference runs of fine-tunes",
     "tests/media/test_media_parity.py": "Cloudflare's reference with transformers' processor in a child process",
     "tests/media/test_processor.py": "transformers' processor in child processes",
 }

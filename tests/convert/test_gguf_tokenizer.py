@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import unicodedata
+from pathlib import Path
 
 import gguf
 import pytest
@@ -28,9 +30,10 @@ from clef_gguf.pipeline.encode import (FIELD_END, OPTIONS_HEADER, PREFIX, SCHEMA
 from clef_gguf.core.errors import ConversionError
 from clef_gguf.formats.gguf import open_gguf
 from clef_gguf.pipeline.request import parse_request
-# Test modules as helpers: tests/ and tests/convert/ are on sys.path (rootdir-less conftest).
-from test_encode import GOLDEN_BODY, GOLDEN_TEXT
-from test_split import REQUESTS, _assert_decides_alike, _copy_field, write_native
+# Test modules as helpers: tests/convert/ is on sys.path (rootdir-less conftest), tests/pipeline/ by this line.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipeline"))
+from test_encode import GOLDEN_BODY, GOLDEN_TEXT  # noqa: E402
+from test_split import REQUESTS, _assert_decides_alike, _copy_field, write_native  # noqa: E402
 
 TEXT_EXAMPLES, ID_EXAMPLES = 2000, 500
 # The same examples on every run (and none stored): a failure reproduces without a database.

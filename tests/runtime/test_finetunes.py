@@ -2,7 +2,7 @@
 routing by a request's ``model``, cache keys per adapter, packing per model, and every refusal.
 
 The fine-tunes are random ones (``convert.finetune_demo``) converted by ``convert adapter``; their
-parity with the PEFT-merged reference is tests/test_finetune.py's.
+parity with the PEFT-merged reference is tests/runtime/test_finetune.py's.
 """
 
 from __future__ import annotations
