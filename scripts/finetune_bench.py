@@ -19,7 +19,7 @@ of the base and of the merge.
   request through each, one child process each;
 - parity: max |dp| over the parity tool's sample requests, base TYPE + adapter against the merge at
   TYPE, and both against the merged f32 GGUF (which matches the transformers reference of the
-  merge; tests/test_finetune.py holds that within 2e-3 on the tiny model).
+  merge; tests/runtime/test_finetune.py holds that within 2e-3 on the tiny model).
 
 Random weights: evidence about the runtime's cost and quantization noise, not about Clef-Flash.
 Needs peft and clef-finetune (the test dependencies) for the merge.

@@ -236,7 +236,7 @@ class Tower:
         Up to ``pack`` prompts (None: :data:`PACKING` decides, and packs only prompts of up to its
         ``max_tokens``) are sequences of one packed context and share each ``llama_decode`` (the
         packer's waves). Every sequence is decoded on its one-by-one chunks, so the hidden states are
-        the ones ``forward`` gives, bit for bit (tests/test_tower.py). ``pack=1`` is ``forward`` for
+        the ones ``forward`` gives, bit for bit (tests/tower/test_llama_tower.py). ``pack=1`` is ``forward`` for
         each prompt."""
         check_pack(pack)
         cache = usable(cache)
