@@ -157,13 +157,14 @@ class Tower:
             raise
         return cls(model, ctx, path, pool=_Pool(free_memory=free_memory), lock=threading.Lock())
 
+    # The sizes and state the schedule checks prompts against: its sequence's, defined there once.
     @property
     def n_embd(self) -> int:
-        return self._model.n_embd
+        return self._seq.n_embd
 
     @property
     def n_vocab(self) -> int:
-        return self._model.n_vocab
+        return self._seq.n_vocab
 
     @property
     def n_layer(self) -> int:
@@ -171,7 +172,7 @@ class Tower:
 
     @property
     def n_ctx(self) -> int:
-        return self._ctx.n_ctx
+        return self._seq.n_ctx
 
     @property
     def n_batch(self) -> int:
@@ -180,7 +181,7 @@ class Tower:
 
     @property
     def closed(self) -> bool:
-        return self._ctx.ptr is None
+        return self._seq.closed
 
     @property
     def attention(self) -> str:
