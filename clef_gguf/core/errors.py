@@ -246,6 +246,27 @@ class Unauthorized(ClefError):
         super().__init__(message, field, headers={"WWW-Authenticate": f'Bearer realm="{realm}"'})
 
 
+class HostNotAllowed(ClefError):
+    """The ``Host`` a request names is not one this server answers to (DNS rebinding's trace)."""
+
+    code = "host_not_allowed"
+    status = 421
+
+
+class OriginNotAllowed(ClefError):
+    """A browser request from a page on another origin (or a refused CORS preflight)."""
+
+    code = "origin_not_allowed"
+    status = 403
+
+
+class UnsupportedMediaType(ClefError):
+    """A browser sent a body that is not ``application/json`` (a form, ``text/plain``)."""
+
+    code = "unsupported_media_type"
+    status = 415
+
+
 class NotFound(ClefError):
     code = "not_found"
     status = 404

@@ -9,6 +9,10 @@ which are the formats accepted here (``DECODED_FORMATS``).
 
 What a request may name is a ``MediaPolicy``: ``data:`` URIs and raw base64 always; local paths and
 URLs only when allowed (a server that reads what a request names is an SSRF and file-disclosure hole).
+The CLI and the Python API read any file the user names; ``serve`` reads files only under the
+directories of ``--media-allow-files`` (``file_roots``): the real path, symlinks followed, must lie
+inside one, and it must be a regular file (a FIFO, ``/dev/zero`` or a directory would hang or
+never end).
 Every refusal is a ``ClefError`` naming the field (``images.1``, ``videos.0.2``).
 """
 
@@ -17,6 +21,8 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import os
+import stat
 import re
 import time
 import urllib.error
@@ -52,10 +58,13 @@ class MediaPolicy:
     ``"example.com:8080"``, ``".example.com"`` for its subdomains too) or a URL prefix
     (``"https://cdn.example.com/img/"``); empty = no fetching. Relative paths resolve against
     ``base_dir`` (the working directory when None). ``max_pixels`` is a budget per decoded picture,
-    ``max_images`` the number of pictures (images and video frames together) one request may decode."""
+    ``max_images`` the number of pictures (images and video frames together) one request may decode.
+    ``file_roots``: when set, a local path is read only if its real path lies inside one of these
+    (resolved) directories and is a regular file; None reads any file (what the user named)."""
 
     local_paths: bool = True
     base_dir: Path | None = None
+    file_roots: tuple[Path, ...] | None = None
     url_allow: tuple[str, ...] = ()
     max_pixels: int = DEFAULT_MAX_PIXELS
     max_images: int = DEFAULT_MAX_IMAGES
@@ -68,9 +77,18 @@ INLINE_ONLY = MediaPolicy(local_paths=False)
 
 
 def served_sources(args: Any) -> MediaPolicy:
-    """What ``serve``'s ``--media-allow-url`` / ``--media-allow-files`` open beyond inline images."""
+    """What ``serve``'s ``--media-allow-url`` / ``--media-allow-files DIR`` open beyond inline
+    images; a DIR that is not a directory is refused here, before the server starts."""
+    dirs = tuple(getattr(args, "media_allow_files", None) or ())
+    roots = []
+    for given in dirs:
+        root = Path(given).resolve()
+        if not root.is_dir():
+            raise errors.InvalidSetting(f"--media-allow-files {given!r} is not a directory",
+                                        field="media_allow_files")
+        roots.append(root)
     return replace(INLINE_ONLY, url_allow=tuple(getattr(args, "media_allow_url", None) or ()),
-                   local_paths=bool(getattr(args, "media_allow_files", False)))
+                   local_paths=bool(roots), file_roots=tuple(roots) if roots else None)
 
 
 def url_allowed(url: str, allow: Sequence[str]) -> bool:
@@ -151,6 +169,10 @@ def _local_file(source: str, policy: MediaPolicy) -> Path:
     return path
 
 
+def _inside(path: str, roots: tuple[Path, ...]) -> bool:
+    return any(Path(path).is_relative_to(root) for root in roots)
+
+
 def read_source(source: str, policy: MediaPolicy, field: str) -> bytes:
     """The encoded bytes an image string names: a URL's body, a file's bytes, or decoded base64."""
     if not isinstance(source, str):
@@ -164,13 +186,14 @@ def read_source(source: str, policy: MediaPolicy, field: str) -> bytes:
         if not policy.local_paths:
             raise errors.UnsupportedMediaSource("reading local image files is not allowed here", field=field)
         path = _local_file(source, policy)
-        if not path.is_file():
+        if policy.file_roots is None and not path.is_file():
             raise errors.InvalidMedia("no such image file, and not a data: URI or base64", field=field)
-        return _read_file(path, field)
+        return _read_file(path, policy, field)
     if not inline and policy.local_paths and len(source) < 4096:
         path = _local_file(source, policy)
-        if path.is_file():
-            return _read_file(path, field)
+        if path.is_file() and (policy.file_roots is None
+                               or _inside(os.path.realpath(path), policy.file_roots)):
+            return _read_file(path, policy, field)
     if source.startswith("data:image/"):
         source = source.split(",")[1] if "," in source else ""
     elif inline:
@@ -181,11 +204,46 @@ def read_source(source: str, policy: MediaPolicy, field: str) -> bytes:
         raise errors.InvalidMedia("not valid base64", field=field) from None
 
 
-def _read_file(path: Path, field: str) -> bytes:
+def _read_file(path: Path, policy: MediaPolicy, field: str) -> bytes:
+    if policy.file_roots is None:  # the user's own command: any file they name
+        try:
+            return path.read_bytes()
+        except OSError as exc:
+            raise errors.InvalidMedia(f"cannot read the image file: {exc.strerror}", field=field) from None
+    return _read_allowed(path, policy.file_roots, field)
+
+
+def _read_allowed(path: Path, roots: tuple[Path, ...], field: str) -> bytes:
+    """A file under the allow-list: its real path inside a root, a regular file. Opened without
+    blocking (a FIFO would wait for a writer forever) and checked again on the open descriptor,
+    so a path swapped between the check and the open is still refused."""
+    outside = errors.UnsupportedMediaSource(
+        "this server reads image files only inside the directories given to --media-allow-files",
+        field=field)
+    real = os.path.realpath(path)
+    if not _inside(real, roots):
+        raise outside
     try:
-        return path.read_bytes()
+        fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise errors.InvalidMedia("no such image file", field=field) from None
     except OSError as exc:
-        raise errors.InvalidMedia(f"cannot read the image file: {exc.strerror}", field=field) from None
+        raise errors.UnsupportedMediaSource(f"cannot open the image file: {exc.strerror}",
+                                            field=field) from None
+    try:
+        opened = f"/proc/self/fd/{fd}"
+        if os.path.exists(opened) and not _inside(os.path.realpath(opened), roots):
+            raise outside
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise errors.UnsupportedMediaSource("not a regular file (a directory, a device or a "
+                                                "pipe is never read)", field=field)
+        with open(fd, "rb", closefd=False) as file:
+            return file.read()
+    except OSError as exc:
+        raise errors.InvalidMedia(f"cannot read the image file: {exc.strerror}",
+                                  field=field) from None
+    finally:
+        os.close(fd)
 
 
 def decode_image(data: bytes, policy: MediaPolicy, field: str) -> PIL.Image.Image:

@@ -34,6 +34,7 @@ from clef_gguf.core.errors import ClefError, MissingField
 from clef_gguf.media.sources import INLINE_ONLY, MediaPolicy, served_sources
 from clef_gguf.server import schema
 from clef_gguf.server import ui as page
+from clef_gguf.server.guard import Guard, SitePolicy, allowed_host, cors_origin
 from clef_gguf.server.http import RequestContext
 from clef_gguf.server.jobs import JobRunner
 from clef_gguf.server.state import Served, loader_for
@@ -69,7 +70,8 @@ def create_app(model: Any, *, api_key: str | None = None,
                max_batch: int = DEFAULT_MAX_BATCH, load_kwargs: dict[str, Any] | None = None,
                on_load_error: Callable[[ClefError], None] | None = None,
                tokenize_workers: int = DEFAULT_TOKENIZE_WORKERS, ui: bool = True,
-               media_policy: MediaPolicy = INLINE_ONLY) -> FastAPI:
+               media_policy: MediaPolicy = INLINE_ONLY, site: SitePolicy = SitePolicy()
+               ) -> FastAPI:
     """The ASGI app. ``model``: a loaded ``Clef`` or ``Models`` (served as is, not closed at
     shutdown), a model directory / catalog name (its ``Models`` loaded in the background with
     ``Clef.load(model, **load_kwargs)``'s settings), or a zero-argument callable returning either
@@ -78,7 +80,8 @@ def create_app(model: Any, *, api_key: str | None = None,
     ``queue_size`` bounds both waits: requests waiting for one of the ``tokenize_workers``
     threads, and prepared requests waiting for the model. ``ui``: serve the playground page on
     ``GET /`` (``clef_gguf.server.ui``). ``media_policy``: where requests' images may come from
-    (default: inline only, data: URIs and base64)."""
+    (default: inline only, data: URIs and base64). ``site``: the Host names and page origins it
+    answers to beyond the loopback names on its own port (``server.guard``)."""
     from fastapi import FastAPI
 
     from clef_gguf import __version__
@@ -98,8 +101,11 @@ def create_app(model: Any, *, api_key: str | None = None,
     Routes(served, JobRunner(queue, stage), max_body_bytes=max_body_bytes,
            max_batch=max_batch, media_policy=media_policy).register(app)
     app.openapi = lambda: openapi_document(app, max_batch)  # type: ignore[method-assign]
-    app.add_middleware(RequestContext, api_key=api_key,
-                       open_paths=(OPEN_PATHS | page.PATHS) if ui else OPEN_PATHS)
+    open_paths = (OPEN_PATHS | page.PATHS) if ui else OPEN_PATHS
+    # Starlette runs the middleware added last first: the request id and log line wrap the guard.
+    app.add_middleware(Guard, api_key=api_key, open_paths=open_paths,
+                       page_paths=page.PATHS if ui else frozenset(), site=site)
+    app.add_middleware(RequestContext, quiet_paths=open_paths)
     return app
 
 
@@ -152,8 +158,22 @@ def add_arguments(p: argparse.ArgumentParser, *, page_flag: bool = True) -> None
                    help="address to bind (default 127.0.0.1: this machine only)")
     g.add_argument("--port", type=argtypes.port, default=DEFAULT_PORT, help="port (default 8080)")
     g.add_argument("--api-key", default=os.environ.get("CLEF_GGUF_API_KEY") or None,
-                   help="require 'Authorization: Bearer KEY' on every endpoint but /health "
-                        "(default: $CLEF_GGUF_API_KEY; prefer the variable, argv is visible in ps)")
+                   help="require the key on every endpoint but /health and the page, as "
+                        "'Authorization: Bearer KEY' or 'X-API-Key: KEY' (default: "
+                        "$CLEF_GGUF_API_KEY; prefer the variable, argv is visible in ps)")
+    g.add_argument("--allowed-host", action="append", type=allowed_host, metavar="NAME[:PORT]|*",
+                   default=None,
+                   help="also answer requests whose Host header names NAME (any port) or "
+                        "NAME:PORT; repeatable. Default: localhost, 127.0.0.1, [::1] and the "
+                        "address a client connected to, on this server's port; others get 421 "
+                        "host_not_allowed (a web page re-pointing its DNS name here cannot read "
+                        "answers). * answers any Host (not advised on a desktop)")
+    g.add_argument("--cors-origin", action="append", type=cors_origin, metavar="URL",
+                   default=None,
+                   help="let web pages on this origin (http://127.0.0.1:3000) call the API: "
+                        "their CORS preflights are answered and their requests run; repeatable. "
+                        "Default: none; a request from any other page's origin gets 403 "
+                        "origin_not_allowed, and a browser must post application/json")
     if page_flag:
         g.add_argument("--no-ui", action="store_true",
                        help="do not serve the playground page on GET / (the API only)")
@@ -175,9 +195,12 @@ def add_arguments(p: argparse.ArgumentParser, *, page_flag: bool = True) -> None
                         "its subdomains too, host:port), under this URL prefix (https://cdn.example.com/"
                         "img/), or * for any; repeatable. Default: no fetching (data: URIs and base64 "
                         "only): a server that fetches what a request names is an SSRF hole")
-    g.add_argument("--media-allow-files", action="store_true",
+    g.add_argument("--media-allow-files", action="append", nargs="?", const=".", metavar="DIR",
+                   default=None,
                    help="let requests name images by local file path (relative to the working "
-                        "directory); default: refused (unsupported_media_source)")
+                        "directory), when the file (symlinks followed) lies inside DIR; "
+                        "repeatable; without DIR: the working directory. Default: refused "
+                        "(unsupported_media_source)")
     g.add_argument("--max-batch", type=argtypes.positive_int, default=DEFAULT_MAX_BATCH,
                    help=f"inputs per batch request (default {DEFAULT_MAX_BATCH})")
     g.add_argument("--engine", choices=("uvicorn", "ray-serve"), default="uvicorn",
@@ -214,7 +237,8 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(lambda: load_model(args), api_key=args.api_key, queue_size=args.queue_size,
                      max_body_bytes=args.max_body_bytes, max_batch=args.max_batch,
                      on_load_error=load_failed, tokenize_workers=args.tokenize_workers,
-                     ui=not args.no_ui, media_policy=served_sources(args))
+                     ui=not args.no_ui, media_policy=served_sources(args),
+                     site=SitePolicy.from_args(args))
     config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None,
                             access_log=False,  # our own line per request replaces it
                             timeout_graceful_shutdown=args.drain_timeout)

@@ -1,4 +1,4 @@
-"""HTTP plumbing for the server: error bodies, bounded JSON bodies, request ids, auth, access log.
+"""HTTP plumbing for the server: error bodies, bounded JSON bodies, request ids, access log.
 
 Kept apart from the routes so that ``server.py`` reads as the API. The middleware is plain ASGI
 (not Starlette's ``BaseHTTPMiddleware``) because that one re-wraps ``receive`` and would hide the
@@ -8,7 +8,6 @@ client's disconnect from the handlers, which need it to drop abandoned work.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import re
@@ -142,22 +141,16 @@ def _fmt(value: Any) -> str:
 
 
 class RequestContext:
-    """Request id (echo ``X-Request-Id`` or make one), bearer-key check, one log line each.
+    """Request id (echo ``X-Request-Id`` or make one) and one log line each; outermost, so that
+    what ``server.guard`` refuses has both too.
 
     The id goes in the ``X-Request-Id`` header only, never in the body, so that the same request
     always gets the same bytes back.
     """
 
-    def __init__(self, app: Any, api_key: str | None, open_paths: frozenset[str]) -> None:
+    def __init__(self, app: Any, quiet_paths: frozenset[str]) -> None:
         self.app = app
-        self._key = api_key.encode() if api_key else None
-        self._open = open_paths
-
-    def _authorized(self, headers: dict[bytes, bytes]) -> bool:
-        given = headers.get(b"authorization", b"")
-        scheme, _, token = given.partition(b" ")
-        # compare_digest: the key must not leak through response timing.
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key or b"")
+        self._quiet = quiet_paths
 
     async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -181,16 +174,11 @@ class RequestContext:
             await send(message)
 
         try:
-            if self._key is not None and scope["path"] not in self._open \
-                    and not self._authorized(headers):
-                refused = errors.Unauthorized("missing or wrong API key; send 'Authorization: Bearer <key>'")
-                await error_response(refused)(scope, receive, send_with_id)
-            else:
-                await self.app(scope, receive, send_with_id)
+            await self.app(scope, receive, send_with_id)
         finally:
             code = status["code"] if not facts.get("client_gone") else CLIENT_CLOSED
             # Health probes poll every few seconds; their lines would drown the real traffic.
-            level = logging.DEBUG if scope["path"] in self._open else logging.INFO
+            level = logging.DEBUG if scope["path"] in self._quiet else logging.INFO
             log.log(level, "%s %s %s status=%d tokens=%s queue_ms=%s compute_ms=%s "
                     "total_ms=%.1f%s", request_id, scope["method"], scope["path"], code,
                     _fmt(facts.get("tokens")), _fmt(facts.get("queue_ms")),

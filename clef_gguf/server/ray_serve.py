@@ -81,11 +81,12 @@ def run(args: argparse.Namespace, app_factory: Callable) -> int:
     assert settings.threads is not None  # for_replicas gives each its share
     threads = settings.threads
     from clef_gguf.media.sources import served_sources  # the serve flags' sources, as without Ray
+    from clef_gguf.server.guard import SitePolicy
 
     app_kwargs = {"api_key": args.api_key, "queue_size": args.queue_size,
                   "max_body_bytes": args.max_body_bytes, "max_batch": args.max_batch,
                   "tokenize_workers": args.tokenize_workers, "ui": not args.no_ui,
-                  "media_policy": served_sources(args)}
+                  "media_policy": served_sources(args), "site": SitePolicy.from_args(args)}
     address = os.environ.get("RAY_ADDRESS")
     for name in ("ray", "ray.serve"):
         logging.getLogger(name).setLevel(logging.WARNING)

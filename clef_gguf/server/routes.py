@@ -31,7 +31,7 @@ from clef_gguf.server.workqueue import Admission
 
 log = logging.getLogger("clef_gguf.server")
 
-POSTED = schema.refusals(400, 401, 413, 422, 429, 500, 503)
+POSTED = schema.refusals(400, 401, 403, 413, 415, 421, 422, 429, 500, 503)
 HTTP_CODES: dict[int, type[errors.ClefError]] = {404: errors.NotFound,
                                                  405: errors.MethodNotAllowed}
 
@@ -167,7 +167,7 @@ class Routes:
                                           "refused input carries its error"), **POSTED})
         app.add_api_route("/v1/models", self.models, methods=["GET"],
                           responses={200: schema.answer(schema.ModelList, "the served model"),
-                                     **schema.refusals(401, 503)})
+                                     **schema.refusals(401, 403, 421, 503)})
         app.add_api_route(
             "/health", self.health, methods=["GET"],
             responses={200: schema.answer(schema.HealthOk, "ready"),

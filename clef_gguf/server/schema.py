@@ -256,6 +256,9 @@ REQUEST_ID: dict[str, Any] = {"X-Request-Id": {"description": "the request's X-R
                                "required": True, "schema": {"type": "string"}}}
 RETRY_AFTER: dict[str, Any] = {"description": "seconds", "schema": {"type": "string", "pattern": "^[0-9]+$"}}
 WHY = {400: "Content-Length is not a number", 401: "missing or wrong API key",
+       403: "a browser request from another page's origin (origin_not_allowed)",
+       415: "a browser request whose body is not application/json (unsupported_media_type)",
+       421: "a Host this server does not answer to (host_not_allowed)",
        413: "body over the limit, or too long for the window without options.truncate_state",
        422: "invalid JSON or invalid request", 429: "queue full; see Retry-After",
        500: "a fault of the server (internal_error) or of the model (inference_error)",

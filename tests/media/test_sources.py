@@ -228,3 +228,83 @@ def test_nothing_reads_the_filesystem_for_inline_policy(tmp_path, monkeypatch):
     with pytest.raises(errors.InvalidMedia):
         load_image("QUJD", INLINE_ONLY, "images.0")
     assert load_image("QUJD", LOCAL, "images.0").size == (20, 12)
+
+
+# ------------------------------------------------------------- the server's file allow-list
+def _roots(*dirs: Path) -> MediaPolicy:
+    return MediaPolicy(local_paths=True, file_roots=tuple(d.resolve() for d in dirs))
+
+
+def _refused(source: str, policy: MediaPolicy, kind: type = errors.UnsupportedMediaSource) -> str:
+    """The refusal's message; it must name the field and come at once (no read of a pipe or device)."""
+    started = time.monotonic()
+    with pytest.raises(kind) as caught:
+        load_image(source, policy, "images.2")
+    assert time.monotonic() - started < 5, "a refusal must not wait on the file"
+    assert caught.value.field == "images.2"
+    return caught.value.message
+
+
+def test_allowed_directories_read_files_inside_them_only(tmp_path):
+    inside, outside = tmp_path / "pics", tmp_path / "private"
+    inside.mkdir(), outside.mkdir()
+    (inside / "a.png").write_bytes(PNG)
+    (inside / "deep").mkdir()
+    (inside / "deep" / "b.png").write_bytes(PNG)
+    (outside / "secret.png").write_bytes(PNG)
+    policy = _roots(inside)
+    assert load_image(str(inside / "a.png"), policy, "images.0").size == (20, 12)
+    assert load_image(str(inside / "deep" / "b.png"), policy, "images.0").size == (20, 12)
+    assert load_image(str(inside / "deep" / ".." / "a.png"), policy, "images.0").size == (20, 12)
+    relative = MediaPolicy(local_paths=True, base_dir=inside, file_roots=(inside.resolve(),))
+    assert load_image("deep/b.png", relative, "images.0").size == (20, 12)
+    assert "--media-allow-files" in _refused(str(outside / "secret.png"), policy)
+    assert "--media-allow-files" in _refused(str(inside / ".." / "private" / "secret.png"), policy)
+    assert "--media-allow-files" in _refused("../private/secret.png", relative)
+    _refused("/etc/hostname", policy, errors.InvalidMedia)  # base64 alphabet only: never read as a file
+    # a second allowed directory opens it
+    assert load_image(str(outside / "secret.png"), _roots(inside, outside), "images.0").size == (20, 12)
+
+
+def test_a_symlink_is_followed_to_where_it_points(tmp_path):
+    inside, outside = tmp_path / "pics", tmp_path / "private"
+    inside.mkdir(), outside.mkdir()
+    (outside / "secret.png").write_bytes(PNG)
+    (inside / "a.png").write_bytes(PNG)
+    (inside / "link-out.png").symlink_to(outside / "secret.png")
+    (inside / "dir-out").symlink_to(outside)
+    (inside / "link-in.png").symlink_to(inside / "a.png")
+    policy = _roots(inside)
+    _refused(str(inside / "link-out.png"), policy)
+    _refused(str(inside / "dir-out" / "secret.png"), policy)
+    assert load_image(str(inside / "link-in.png"), policy, "images.0").size == (20, 12)
+
+
+def test_pipes_devices_and_directories_are_refused_at_once(tmp_path):
+    import os
+
+    (tmp_path / "fifo").mkdir()
+    fifo = tmp_path / "fifo" / "pipe.png"
+    os.mkfifo(fifo)  # nobody writes: reading it would wait forever
+    (tmp_path / "sub.png").mkdir()
+    (tmp_path / "zero.png").symlink_to("/dev/zero")
+    policy = _roots(tmp_path)
+    assert "regular file" in _refused(str(fifo), policy)
+    assert "regular file" in _refused(str(tmp_path / "sub.png"), policy)
+    _refused(str(tmp_path / "zero.png"), policy)  # resolves to /dev: outside the allowed directory
+    assert "regular file" in _refused(str(tmp_path / "zero.png"), _roots(tmp_path, Path("/dev")))
+    _refused("/dev/zero", _roots(Path("/dev")), errors.InvalidMedia)  # base64's alphabet: not a path
+    _refused(str(tmp_path / "missing.png"), policy, errors.InvalidMedia)
+
+
+def test_base64_looking_names_outside_the_directories_are_not_read(tmp_path):
+    """A string of base64's alphabet that names a file outside: decoded as base64, never read."""
+    inside, outside = tmp_path / "pics", tmp_path / "private"
+    inside.mkdir(), outside.mkdir()
+    (outside / "secret").write_bytes(PNG)
+    (inside / "plain").write_bytes(PNG)
+    policy = MediaPolicy(local_paths=True, base_dir=inside, file_roots=(inside.resolve(),))
+    assert load_image("plain", policy, "images.0").size == (20, 12)
+    looking_out = MediaPolicy(local_paths=True, base_dir=outside, file_roots=(inside.resolve(),))
+    _refused("secret", looking_out, errors.InvalidMedia)  # the base64 "secret": not an image
+    _refused("../private/secret", policy)  # '.' is no base64: a path, and outside

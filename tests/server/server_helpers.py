@@ -120,6 +120,10 @@ class Gated:
         self.runs = 0  # passes completed
         self._lock = threading.Lock()
 
+    @property
+    def models(self):
+        return {self.info["name"]: self}
+
     def prepare(self, *args, **kwargs):
         return self.clef.prepare(*args, **kwargs)
 
@@ -237,7 +241,7 @@ def wait_healthy(proc: subprocess.Popen, url: str) -> None:
 def raw_post(port: int, body: bytes) -> socket.socket:
     """A POST on a bare socket, left open: the test decides when the client goes away."""
     sock = socket.create_connection(("127.0.0.1", port))
-    sock.sendall(b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    sock.sendall(b"POST /v1/systemone HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (port, len(body), body))
     return sock
 

@@ -148,8 +148,8 @@ def test_a_client_gone_mid_body_is_a_499_not_a_server_error(clef, caplog):
     caplog.set_level(logging.INFO, logger="clef_gguf.server")
     with ThreadServer(Gated(clef)) as srv:
         sock = socket.create_connection(("127.0.0.1", srv.port))
-        sock.sendall(b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\n\r\n"
-                     b'{"state": "half a body')
+        sock.sendall(b"POST /v1/systemone HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nContent-Length: 5000\r\n\r\n"
+                     b'{"state": "half a body' % srv.port)
         wait_for(lambda: srv.app.state.prepare_stage.pending == 1, "the body to be read")
         sock.close()
         wait_for(lambda: "status=499" in caplog.text, "the server to log the disconnect")

@@ -107,8 +107,8 @@ MIX = (["valid"] * 11 + ["batch", "invalid", "invalid", "oversized", "too_long"]
 def _leave(port: int, body: bytes, mid_body: bool) -> None:
     """A client that sends (half) a request and closes the connection without reading."""
     with socket.create_connection(("127.0.0.1", port), timeout=DEADLINE_S) as sock:
-        sock.sendall(b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                     b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body))
+        sock.sendall(b"POST /v1/systemone HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: %d\r\n\r\n" % (port, len(body)))
         sock.sendall(body[:len(body) // 2] if mid_body else body)
 
 

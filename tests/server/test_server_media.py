@@ -110,12 +110,12 @@ def test_urls_are_refused_unless_their_host_is_allowed(http, clef, tmp_path):
 
 
 def test_serve_flags_open_files_and_urls_and_limit_the_body(tiny_model_dir, clef, tmp_path):
-    """``serve --media-allow-files --media-allow-url HOST:PORT --max-body-bytes N`` as a child process."""
+    """``serve --media-allow-files DIR --media-allow-url HOST:PORT --max-body-bytes N`` as a child process."""
     (tmp_path / "pic.png").write_bytes(PNG)
     want = expected(clef, body(data_uri(PNG)))
     with picture_server(tmp_path) as base, serve_process(
             tmp_path, "--model", str(tiny_model_dir), "--max-length", "2048", "--threads", "1",
-            "--media-allow-files", "--media-allow-url", base.removeprefix("http://"),
+            "--media-allow-files", str(tmp_path), "--media-allow-url", base.removeprefix("http://"),
             "--max-body-bytes", "200000") as (proc, url, _port):
         wait_healthy(proc, url)
         for source in (str(tmp_path / "pic.png"), f"{base}/pic.png"):
@@ -133,7 +133,7 @@ def test_the_serve_flags_policy_defaults_to_inline_images_only():
 
     assert policy() == INLINE_ONLY and INLINE_ONLY.local_paths is False and INLINE_ONLY.url_allow == ()
     assert policy("--media-allow-files", "--media-allow-url", "a.example", "--media-allow-url", "*") == \
-        MediaPolicy(local_paths=True, url_allow=("a.example", "*"))
+        MediaPolicy(local_paths=True, url_allow=("a.example", "*"), file_roots=(Path.cwd().resolve(),))
 
 
 def test_a_pixel_budget_over_the_limit_is_413_naming_the_field(clef):

@@ -440,6 +440,9 @@ def test_api_key_is_asked_once(browser, keyed_server, shots):
     assert not key_form.is_displayed()
     decide(browser)
     assert_answered(browser)
+    # the key lives in this tab's session storage only: nothing of it in local storage
+    assert browser.execute_script("return Object.values(sessionStorage).includes('s3cret')")
+    assert "s3cret" not in browser.execute_script("return JSON.stringify(localStorage)")
     browser.refresh()  # kept for the tab's session
     wait(browser, lambda d: by_id(d, "model-status").text.startswith("Model:"), "the model")
     assert not by_id(browser, "key-form").is_displayed()
