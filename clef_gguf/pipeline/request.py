@@ -350,18 +350,27 @@ def parse_request(body: Any, *, truncate_state: bool = False, strict: bool = Fal
                    wire.calibration, images, videos, wire.media_kwargs if (images or videos) else None)
 
 
+# The image objects clients send, (bytes key, type key): avrik-sdk's and Workers AI's. Each is the
+# same bytes as a data: URI.
+IMAGE_OBJECTS = (("data", "media_type"), ("base64", "content_type"))
+
+
 def _image(item: Any, where: str) -> str:
     """An image as the reference takes it (a string: data: URI, base64, path or URL); avrik-sdk's
-    ``{"data": base64, "media_type"}`` object is the same bytes as a data: URI."""
+    ``{"data": base64, "media_type"}`` and Workers AI's ``{"base64", "content_type"}`` objects are
+    the same bytes as a data: URI."""
     if isinstance(item, str):
         return item
-    if isinstance(item, dict) and isinstance(item.get("data"), str) and set(item) <= {"data", "media_type"}:
-        kind = item.get("media_type", "image/png")
-        if not isinstance(kind, str):
-            raise errors.InvalidValue("media_type must be a string such as image/png", field=f"{where}.media_type")
-        return f"data:{kind};base64,{item['data']}"
-    raise errors.InvalidValue("an image is a string (a data: URI, base64, a file path or a URL) or "
-                              '{"data": base64, "media_type": ...}', field=where)
+    for data, kind_key in IMAGE_OBJECTS:
+        if isinstance(item, dict) and isinstance(item.get(data), str) and set(item) <= {data, kind_key}:
+            kind = item.get(kind_key, "image/png")
+            if not isinstance(kind, str):
+                raise errors.InvalidValue(f"{kind_key} must be a string such as image/png",
+                                          field=f"{where}.{kind_key}")
+            return f"data:{kind};base64,{item[data]}"
+    raise errors.InvalidValue("an image is a string (a data: URI, base64, a file path or a URL), "
+                              '{"data": base64, "media_type": ...} or {"base64": ..., '
+                              '"content_type": ...}', field=where)
 
 
 def _frames(item: Any, where: str) -> Any:

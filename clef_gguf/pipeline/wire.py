@@ -105,10 +105,19 @@ class InlineImage(BaseModel):
     media_type: str = Field("image/png", description="image/png, image/jpeg, image/gif or image/webp")
 
 
-Images = Annotated[list[str | InlineImage] | None, Field(
+class Base64Image(BaseModel):
+    """Workers AI's image object: the same bytes as a data: URI."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    base64: str = Field(description="the image file's bytes, base64")
+    content_type: str = Field("image/png", description="image/png, image/jpeg, image/gif or image/webp")
+
+
+Images = Annotated[list[str | InlineImage | Base64Image] | None, Field(
     description="pictures: data: URIs or base64 (a path or URL only where the server was started with "
                 "--media-allow-files / --media-allow-url); refused by a model without a vision tower")]
-Videos = Annotated[list[list[list[str | InlineImage]]] | None, Field(
+Videos = Annotated[list[list[list[str | InlineImage | Base64Image]]] | None, Field(
     description="videos, each [[frame, ...]] (with media_kwargs.do_sample_frames false)")]
 
 

@@ -85,7 +85,7 @@ def create_app(model: Any, *, api_key: str | None = None,
     from fastapi import FastAPI
 
     from clef_gguf import __version__
-    from clef_gguf.server.routes import Routes
+    from clef_gguf.server.routes import Routes, refusal_for
 
     ready = hasattr(model, "prepare") and hasattr(model, "run")
     served = Served(model if ready else None,
@@ -104,7 +104,8 @@ def create_app(model: Any, *, api_key: str | None = None,
     open_paths = (OPEN_PATHS | page.PATHS) if ui else OPEN_PATHS
     # Starlette runs the middleware added last first: the request id and log line wrap the guard.
     app.add_middleware(Guard, api_key=api_key, open_paths=open_paths,
-                       page_paths=page.PATHS if ui else frozenset(), site=site)
+                       page_paths=page.PATHS if ui else frozenset(), site=site,
+                       refusal_for=refusal_for)
     app.add_middleware(RequestContext, quiet_paths=open_paths)
     return app
 

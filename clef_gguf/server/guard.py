@@ -34,7 +34,7 @@ import hmac
 import logging
 import re
 import urllib.parse
-from collections.abc import Iterable, MutableMapping
+from collections.abc import Callable, Iterable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,8 +144,13 @@ class Guard:
     """Plain ASGI: Host, Origin and body type, CORS preflights, then the key (see the module)."""
 
     def __init__(self, app: Any, *, api_key: str | None, open_paths: frozenset[str],
-                 page_paths: frozenset[str] = frozenset(), site: SitePolicy = SitePolicy()) -> None:
+                 page_paths: frozenset[str] = frozenset(), site: SitePolicy = SitePolicy(),
+                 refusal_for: Callable[[str], Callable[[ClefError], Any]] = lambda _path: error_response
+                 ) -> None:
+        """``refusal_for(path)``: how a refusal of a request to ``path`` is written (Workers AI's
+        routes answer in their envelope)."""
         self.app = app
+        self.refusal_for = refusal_for
         self._key = _digest(api_key.encode()) if api_key else None
         self._open, self._page, self.site = open_paths, page_paths, site
         self._cors = frozenset(site.cors_origins)
@@ -161,16 +166,17 @@ class Guard:
         headers: list[tuple[bytes, bytes]] = list(scope.get("headers") or [])
         origin = _one(headers, b"origin")
         origin = origin.strip().lower() if origin is not None else None  # browsers send it so
+        refuse = self.refusal_for(scope["path"])
         refusal = self.refusal(scope, headers, origin)
         if refusal is not None:
-            await error_response(refusal)(scope, receive, send)
+            await refuse(refusal)(scope, receive, send)
             return
         if scope["method"] == "OPTIONS" and origin is not None \
                 and _one(headers, b"access-control-request-method") is not None:
-            await self.preflight(origin)(scope, receive, send)
+            await self.preflight(origin, refuse)(scope, receive, send)
             return
         if self._key is not None and scope["path"] not in self._open and not self.authorized(headers):
-            await error_response(errors.Unauthorized(
+            await refuse(errors.Unauthorized(
                 "missing or wrong API key; send 'Authorization: Bearer <key>' or 'X-API-Key: <key>'"
             ))(scope, receive, send)
             return
@@ -223,12 +229,12 @@ class Guard:
         return scope["method"] in ("GET", "HEAD") and scope["path"] in self._page \
             and _one(headers, b"sec-fetch-mode") == "navigate"
 
-    def preflight(self, origin: str) -> Any:
+    def preflight(self, origin: str, refuse: Callable[[ClefError], Any]) -> Any:
         """A CORS preflight: answered for a ``--cors-origin``, refused for any other."""
         from starlette.responses import Response
 
         if origin not in self._cors:
-            return error_response(self._refuse_origin(
+            return refuse(self._refuse_origin(
                 origin, f"CORS is not allowed for {origin!r}; start the server with "
                         f"--cors-origin {origin} to allow it"))
         return Response(status_code=204, headers={

@@ -12,6 +12,7 @@ import asyncio
 import functools
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Query, Request
@@ -21,7 +22,7 @@ from starlette.responses import Response
 
 from clef_gguf.core import errors
 from clef_gguf.media.sources import INLINE_ONLY, MediaPolicy
-from clef_gguf.server import schema
+from clef_gguf.server import schema, workers_ai
 from clef_gguf.server.batch import batch_response, compute_items, is_batch, parse_batch, prepare_items
 from clef_gguf.server.http import (RequestClient, client_closed, error_response, internal_error,
                                    json_response, note, read_json)
@@ -36,7 +37,30 @@ HTTP_CODES: dict[int, type[errors.ClefError]] = {404: errors.NotFound,
                                                  405: errors.MethodNotAllowed}
 
 
-Handler = Callable[[Request, Any, Any, Admission], Awaitable[Response]]
+@dataclass(frozen=True)
+class Reply:
+    """What a route answers, before the wire format wraps it."""
+
+    body: Any
+    headers: dict[str, str] | None = None
+
+
+@dataclass(frozen=True)
+class Wire:
+    """How answers and refusals are written: SystemOne's bodies, or Workers AI's envelope."""
+
+    answer: Callable[[Any, dict[str, str] | None], Response]
+    refuse: Callable[[errors.ClefError], Response]
+
+
+SYSTEMONE = Wire(lambda body, headers: json_response(body, headers=headers), error_response)
+WORKERS_AI = Wire(workers_ai.answer, workers_ai.refuse)
+Handler = Callable[[Request, Any, Any, Admission], Awaitable[Reply]]
+
+
+def refusal_for(path: str) -> Callable[[errors.ClefError], Response]:
+    """The error body a refusal of a request to ``path`` takes (the guard's and the framework's)."""
+    return WORKERS_AI.refuse if workers_ai.is_run_path(path) else SYSTEMONE.refuse
 
 
 class Routes:
@@ -52,7 +76,7 @@ class Routes:
 
     # ------------------------------------------------------------------ the two ways to answer
     async def single(self, request: Request, clef: ServedModel, body: Any,
-                     admission: Admission) -> Response:
+                     admission: Admission) -> Reply:
         client = RequestClient(request)
         prepare = functools.partial(clef.prepare, media_policy=self.media_policy)
         prepared = await self.runner.prepare(client, admission, prepare, body)
@@ -60,15 +84,15 @@ class Routes:
         result = await self.runner.compute(client, lambda _job: clef.run(prepared),
                                            (clef, prepared))
         if result is None:
-            return error_response(client_closed())
+            raise client_closed()
         response, timings = result
         if response.get("model") is None:  # SystemOne clients may omit it; name what answered
             response["model"] = clef.info.get("name")
         timing = ", ".join(f"{k};dur={v}" for k, v in timings.items() if k != "tokens")
-        return json_response(response, headers={"Server-Timing": timing})
+        return Reply(response, {"Server-Timing": timing})
 
     async def batch(self, request: Request, clef: ServedModel, body: Any,
-                    admission: Admission) -> Response:
+                    admission: Admission) -> Reply:
         client = RequestClient(request)
         items, model = parse_batch(body, self.max_batch)
         note(request, tokens=await self.runner.prepare(client, admission, prepare_items, clef,
@@ -76,17 +100,20 @@ class Routes:
         # All refused: answered without queueing.
         if any(i.prepared is not None for i in items) and await self.runner.compute(
                 client, lambda job: compute_items(clef, items, job)) is None:
-            return error_response(client_closed())
-        return json_response(batch_response(items, model or clef.info.get("name"), clef))
+            raise client_closed()
+        return Reply(batch_response(items, model or clef.info.get("name"), clef))
 
-    async def guarded(self, request: Request, handler: Handler) -> Response:
-        """Every refusal becomes the API's error body (and is named in the log line)."""
+    async def guarded(self, request: Request, handler: Handler, wire: Wire = SYSTEMONE) -> Response:
+        """The handler's reply in ``wire``'s shape; every refusal becomes its error body (and is
+        named in the log line)."""
         admission = None
+        error_response = wire.refuse
         try:
             clef = self.served.require()
             admission = self.runner.admit()
             body = await read_json(request, self.max_body_bytes)
-            return await handler(request, clef, body, admission)
+            reply = await handler(request, clef, body, admission)
+            return wire.answer(reply.body, reply.headers)
         except errors.ClefError as exc:
             note(request, error=exc.code)
             return error_response(exc)
@@ -113,8 +140,7 @@ class Routes:
             alias="batch", description="force (true) or forbid (false) reading the body as a "
             "batch; by default avrik-sdk's batch shape (state: [{id, text}, ...]) and "
             "{requests: [...]} are batches")] = None) -> Response:
-        async def route(request: Request, clef: Any, body: Any,
-                        admission: Admission) -> Response:
+        async def route(request: Request, clef: Any, body: Any, admission: Admission) -> Reply:
             if batch_mode if batch_mode is not None else is_batch(body):
                 return await self.batch(request, clef, body, admission)
             return await self.single(request, clef, body, admission)
@@ -123,6 +149,16 @@ class Routes:
 
     async def systemone_batch(self, request: Request) -> Response:
         return await self.guarded(request, self.batch)
+
+    async def workers_ai_run(self, request: Request, account_id: str, model: str) -> Response:
+        """Workers AI's run endpoint (``server.workers_ai``): one SystemOne request in its
+        envelope; ``account_id`` is accepted and ignored."""
+        async def route(request: Request, clef: Any, body: Any, admission: Admission) -> Reply:
+            return await self.single(request, clef,
+                                     workers_ai.systemone_body(body, model, clef.models), admission)
+
+        del account_id
+        return await self.guarded(request, route, WORKERS_AI)
 
     async def models(self) -> Response:
         try:
@@ -165,6 +201,18 @@ class Routes:
             "/v1/systemone/batch", self.systemone_batch, methods=["POST"],
             responses={200: schema.answer(schema.BatchResponse, "results in input order; a "
                                           "refused input carries its error"), **POSTED})
+        run_path, *other_run_paths = workers_ai.PATHS
+        app.add_api_route(
+            run_path, self.workers_ai_run, methods=["POST"], summary="Workers AI: run Clef",
+            description="Cloudflare Workers AI's run endpoint: the model's path is "
+                        "@cf/cloudflare/clef-flash, @cf/cloudflare/clef or a served model's name; "
+                        "the same path without /client/v4 is answered too.",
+            responses={200: schema.answer(schema.WorkersAiAnswer, "the SystemOne response in "
+                                          "Workers AI's envelope"),
+                       **schema.refusals(400, 401, 403, 404, 413, 415, 421, 422, 429, 500, 503,
+                                         body=schema.WorkersAiRefusal)})
+        for path in other_run_paths:
+            app.add_api_route(path, self.workers_ai_run, methods=["POST"], include_in_schema=False)
         app.add_api_route("/v1/models", self.models, methods=["GET"],
                           responses={200: schema.answer(schema.ModelList, "the served model"),
                                      **schema.refusals(401, 403, 421, 503)})
@@ -178,13 +226,13 @@ class Routes:
         app.add_exception_handler(Exception, unhandled)
 
 
-async def http_error(_request: Request, exc: HTTPException) -> Response:
+async def http_error(request: Request, exc: HTTPException) -> Response:
     """404, 405 and whatever else Starlette refuses, in the API's error body."""
     kind = HTTP_CODES.get(exc.status_code)
     headers = dict(exc.headers or {})  # 405's Allow
     error = kind(str(exc.detail), headers=headers) if kind \
         else errors.HttpRefusal(exc.status_code, str(exc.detail), headers=headers)
-    return error_response(error)
+    return refusal_for(request.url.path)(error)
 
 
 async def query_error(_request: Request, exc: RequestValidationError) -> Response:

@@ -251,11 +251,41 @@ class HealthFailed(BaseModel):
     error: ErrorDetail
 
 
+# ---------------------------------------------------------------- Workers AI's envelope
+class WorkersAiError(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    code: int = Field(description="Workers AI's kind of refusal: 5006 bad input, 5007 no such "
+                                  "model, 5021 over the context window, 3040 busy or loading, "
+                                  "3043 internal, 10000 authentication, 10001 refused origin/host")
+    message: str
+    field: str | None = Field(None, description="dotted path of the offending request field")
+
+
+class WorkersAiAnswer(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    result: SystemOneResponse
+    success: Literal[True]
+    errors: list[WorkersAiError] = Field(max_length=0)
+    messages: list[Any] = Field(max_length=0)
+
+
+class WorkersAiRefusal(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    result: None
+    success: Literal[False]
+    errors: list[WorkersAiError] = Field(min_length=1, max_length=1)
+    messages: list[Any] = Field(max_length=0)
+
+
 # ---------------------------------------------------------------- OpenAPI pieces
 REQUEST_ID: dict[str, Any] = {"X-Request-Id": {"description": "the request's X-Request-Id, or a new one",
                                "required": True, "schema": {"type": "string"}}}
 RETRY_AFTER: dict[str, Any] = {"description": "seconds", "schema": {"type": "string", "pattern": "^[0-9]+$"}}
 WHY = {400: "Content-Length is not a number", 401: "missing or wrong API key",
+       404: "a model name this server does not serve (unknown_model, under --strict)",
        403: "a browser request from another page's origin (origin_not_allowed)",
        415: "a browser request whose body is not application/json (unsupported_media_type)",
        421: "a Host this server does not answer to (host_not_allowed)",
@@ -272,14 +302,15 @@ def answer(model: Any, description: str,
             "headers": REQUEST_ID if headers is None else headers}
 
 
-def refusals(*statuses: int) -> dict[int | str, dict[str, Any]]:
+def refusals(*statuses: int, body: Any = ErrorBody) -> dict[int | str, dict[str, Any]]:
     headers: dict[int, dict[str, Any]] = {429: {**REQUEST_ID, "Retry-After": {**RETRY_AFTER, "required": True}},
                503: {**REQUEST_ID, "Retry-After": RETRY_AFTER}}
-    return {s: answer(ErrorBody, WHY[s], headers.get(s)) for s in statuses}
+    return {s: answer(body, WHY[s], headers.get(s)) for s in statuses}
 
 
 # Route path -> the request body it documents (the routes read the bytes themselves).
-REQUEST_BODIES = {"/v1/systemone": SingleOrBatch, "/v1/systemone/batch": BatchBody}
+REQUEST_BODIES = {"/v1/systemone": SingleOrBatch, "/v1/systemone/batch": BatchBody,
+                  "/client/v4/accounts/{account_id}/ai/run/{model}": SystemOneRequest}
 
 
 def add_request_bodies(document: dict, bodies: dict[str, Any], max_batch: int) -> dict:

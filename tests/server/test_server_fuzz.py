@@ -33,14 +33,15 @@ from clef_gguf import Clef
 from server_helpers import DEADLINE_S, ThreadServer
 
 CASES = int(os.environ.get("CLEF_FUZZ_CASES", "400"))
-FUZZED_POSTS = 2  # the GETs take no input: one case each
+FUZZED_POSTS = 3  # the GETs take no input: one case each
 CHECKS = [schemathesis.checks.not_a_server_error, openapi_checks.status_code_conformance,
           openapi_checks.content_type_conformance, openapi_checks.response_headers_conformance,
           openapi_checks.response_schema_conformance, openapi_checks.unsupported_method]
 
 
-def error_body_shape(_ctx, response, _case) -> None:
-    """Every refusal, documented or not (404, 405...), in the API's one error shape."""
+def error_body_shape(_ctx, response, case) -> None:
+    """Every refusal, documented or not (404, 405...), in the API's one error shape (Workers AI's
+    run route: in its envelope, one error with an integer code)."""
     if response.status_code < 400:
         return
     try:
@@ -48,6 +49,14 @@ def error_body_shape(_ctx, response, _case) -> None:
     except ValueError:
         raise AssertionError(f"{response.status_code} body is not JSON: "
                              f"{response.content[:200]!r}") from None
+    if "/ai/run/" in case.operation.path:
+        errors = body.get("errors") if isinstance(body, dict) else None
+        if not (isinstance(body, dict) and body.get("success") is False and body.get("result") is None
+                and isinstance(errors, list) and len(errors) == 1
+                and isinstance(errors[0].get("code"), int) and isinstance(errors[0].get("message"), str)):
+            raise AssertionError(f"{response.status_code} body is not Workers AI's refusal: "
+                                 f"{response.content[:300]!r}")
+        return
     err = body.get("error") if isinstance(body, dict) else None
     if not (isinstance(body, dict) and set(body) == {"error"} and isinstance(err, dict)
             and set(err) == {"code", "message", "field"} and isinstance(err["code"], str)
@@ -69,8 +78,9 @@ class Found:
         code = None
         if response.status_code >= 400:
             try:
-                code = json.loads(response.content)["error"]["code"]
-            except (ValueError, KeyError, TypeError):
+                body = json.loads(response.content)
+                code = body["error"]["code"] if "error" in body else body["errors"][0]["code"]
+            except (ValueError, KeyError, TypeError, IndexError):
                 code = "<not the error shape>"
         self.statuses[(label, response.status_code, code)] += 1
         for failure in group.exceptions if group is not None else ():
