@@ -1,7 +1,8 @@
 """``clef-gguf serve``: the model behind ``POST /v1/systemone`` (the SystemOne wire format).
 
 Endpoints: ``POST /v1/systemone`` (one request; also takes avrik-sdk's batch shape),
-``POST /v1/systemone/batch``, ``GET /v1/models``, ``GET /health``, ``GET /openapi.json``.
+``POST /v1/systemone/batch``, Workers AI's run route (``server.workers_ai``), ``GET /v1/models``,
+``GET /health``, ``GET /metrics`` (``server.metrics``), ``GET /openapi.json``.
 
 Flow of a request: a place in the prepare stage (429 when ``--queue-size`` requests already wait
 for the tokenizer) -> read the body (size-capped) -> ``Clef.prepare`` (validate + tokenize, on one
@@ -37,6 +38,8 @@ from clef_gguf.server import ui as page
 from clef_gguf.server.guard import Guard, SitePolicy, allowed_host, cors_origin
 from clef_gguf.server.http import RequestContext
 from clef_gguf.server.jobs import JobRunner
+from clef_gguf.server.metrics import PATH as METRICS_PATH
+from clef_gguf.server.metrics import Metrics
 from clef_gguf.server.state import Served, loader_for
 from clef_gguf.server.workqueue import InferenceQueue, PrepareStage
 
@@ -96,18 +99,34 @@ def create_app(model: Any, *, api_key: str | None = None,
                   description="Clef decision models, SystemOne wire format (/v1/systemone).",
                   docs_url=None, redoc_url=None)  # the docs UIs load scripts from a CDN
     app.state.served, app.state.queue, app.state.prepare_stage = served, queue, stage
+    metrics = app.state.metrics = Metrics(served, queue, stage)
     if ui:
         page.add_routes(app)
     Routes(served, JobRunner(queue, stage), max_body_bytes=max_body_bytes,
            max_batch=max_batch, media_policy=media_policy).register(app)
+    add_metrics_route(app, metrics)
     app.openapi = lambda: openapi_document(app, max_batch)  # type: ignore[method-assign]
     open_paths = (OPEN_PATHS | page.PATHS) if ui else OPEN_PATHS
     # Starlette runs the middleware added last first: the request id and log line wrap the guard.
     app.add_middleware(Guard, api_key=api_key, open_paths=open_paths,
                        page_paths=page.PATHS if ui else frozenset(), site=site,
                        refusal_for=refusal_for)
-    app.add_middleware(RequestContext, quiet_paths=open_paths)
+    app.add_middleware(RequestContext, quiet_paths=open_paths | {METRICS_PATH},
+                       observe=metrics.observe)
     return app
+
+
+def add_metrics_route(app: FastAPI, metrics: Metrics) -> None:
+    """``GET /metrics`` (behind the key when one is set; left out of the OpenAPI document: it is
+    Prometheus' text, not the API)."""
+    from starlette.responses import Response
+
+    async def scrape() -> Any:  # not ``Response``: FastAPI resolves annotations at runtime
+        body, content_type = metrics.exposition()
+        return Response(body, media_type=content_type)
+
+    app.add_api_route(METRICS_PATH, scrape, methods=["GET"], include_in_schema=False,
+                      response_model=None)
 
 
 def lifespan(served: Served, queue: InferenceQueue, stage: PrepareStage

@@ -14,7 +14,7 @@ import re
 import socket
 import time
 import uuid
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
@@ -148,9 +148,14 @@ class RequestContext:
     always gets the same bytes back.
     """
 
-    def __init__(self, app: Any, quiet_paths: frozenset[str]) -> None:
+    def __init__(self, app: Any, quiet_paths: frozenset[str],
+                 observe: Callable[[MutableMapping[str, Any], int, dict[str, Any], float], None]
+                 | None = None) -> None:
+        """``observe(scope, status, facts, seconds)``: told of each request with its log line's
+        facts (``server.metrics``)."""
         self.app = app
         self._quiet = quiet_paths
+        self._observe = observe
 
     async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -177,10 +182,13 @@ class RequestContext:
             await self.app(scope, receive, send_with_id)
         finally:
             code = status["code"] if not facts.get("client_gone") else CLIENT_CLOSED
+            elapsed = time.perf_counter() - started
             # Health probes poll every few seconds; their lines would drown the real traffic.
             level = logging.DEBUG if scope["path"] in self._quiet else logging.INFO
             log.log(level, "%s %s %s status=%d tokens=%s queue_ms=%s compute_ms=%s "
                     "total_ms=%.1f%s", request_id, scope["method"], scope["path"], code,
                     _fmt(facts.get("tokens")), _fmt(facts.get("queue_ms")),
-                    _fmt(facts.get("compute_ms")), (time.perf_counter() - started) * 1000.0,
+                    _fmt(facts.get("compute_ms")), elapsed * 1000.0,
                     f" error={facts['error']}" if facts.get("error") else "")
+            if self._observe is not None:
+                self._observe(scope, code, facts, elapsed)

@@ -89,6 +89,7 @@ class Routes:
         if response.get("model") is None:  # SystemOne clients may omit it; name what answered
             response["model"] = clef.info.get("name")
         timing = ", ".join(f"{k};dur={v}" for k, v in timings.items() if k != "tokens")
+        note(request, timings=timings, usage=response.get("usage"))
         return Reply(response, {"Server-Timing": timing})
 
     async def batch(self, request: Request, clef: ServedModel, body: Any,
@@ -101,7 +102,9 @@ class Routes:
         if any(i.prepared is not None for i in items) and await self.runner.compute(
                 client, lambda job: compute_items(clef, items, job)) is None:
             raise client_closed()
-        return Reply(batch_response(items, model or clef.info.get("name"), clef))
+        response = batch_response(items, model or clef.info.get("name"), clef)
+        note(request, usage=response.get("usage"))
+        return Reply(response)
 
     async def guarded(self, request: Request, handler: Handler, wire: Wire = SYSTEMONE) -> Response:
         """The handler's reply in ``wire``'s shape; every refusal becomes its error body (and is
