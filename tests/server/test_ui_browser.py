@@ -4,8 +4,9 @@ real ``clef-gguf serve`` on the tiny model.
 Checked: a request with all three question types built through the form with the keyboard, whose
 bars (width and number) equal the API's own answer to the same request; the questions' JSON view
 round-trips (key order and numbers as written); errors land next to the field they name; ids made of
-markup render as text; the API key is asked once; no request leaves 127.0.0.1 and the console stays
-clean. Screenshots of each state go to ``$CLEF_UI_SCREENSHOTS`` (else the test's tmp dir);
+markup render as text; the API key is asked once; with fine-tunes served beside the base, the model
+picker sends the chosen one as ``model`` and the answer names it; no request leaves 127.0.0.1 and
+the console stays clean. Screenshots of each state go to ``$CLEF_UI_SCREENSHOTS`` (else the test's tmp dir);
 ``CLEF_UI_README_PNG=1`` also writes docs/ui.png, the README's picture.
 
 The browser and its driver are the system's (``apt-get install chromium chromium-driver``, as CI
@@ -56,9 +57,9 @@ def shots(tmp_path_factory) -> Path:
     return out
 
 
-def _serve(tmp_path_factory, tiny_model_dir, env: dict | None = None):
+def _serve(tmp_path_factory, tiny_model_dir, *flags: str, env: dict | None = None):
     return serve_process(tmp_path_factory.mktemp("ui-serve"), "--model", str(tiny_model_dir),
-                         "--threads", "1", "--max-length", str(MAX_LENGTH), env=env)
+                         "--threads", "1", "--max-length", str(MAX_LENGTH), *flags, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +73,16 @@ def server(tmp_path_factory, tiny_model_dir):
 def keyed_server(tmp_path_factory, tiny_model_dir):
     with _serve(tmp_path_factory, tiny_model_dir, env={"CLEF_GGUF_API_KEY": "s3cret"}) as \
             (proc, url, _port):
+        wait_healthy(proc, url)
+        yield url
+
+
+@pytest.fixture(scope="module")
+def tuned_server(tmp_path_factory, tiny_model_dir, tiny_fine_tunes):
+    """The tiny model and its fine-tunes "a" and "b" (``--adapter NAME=DIR``); the base answers by
+    default."""
+    adapters = [f"--adapter={name}={path}" for name, path in tiny_fine_tunes.items()]
+    with _serve(tmp_path_factory, tiny_model_dir, *adapters) as (proc, url, _port):
         wait_healthy(proc, url)
         yield url
 
@@ -138,19 +149,29 @@ def shot(driver, shots: Path, name: str) -> None:
     driver.save_screenshot(str(shots / f"{name}.png"))
 
 
-def network_urls(driver) -> list[str]:
-    urls = []
+def sent_requests(driver) -> list[dict]:
+    """What the page sent since the last look, from the performance log (which this drains): each
+    a CDP request ({url, method, postData, ...})."""
+    out = []
     for entry in driver.get_log("performance"):
         message = json.loads(entry["message"])["message"]
         if message["method"] == "Network.requestWillBeSent":
-            urls.append(message["params"]["request"]["url"])
-    return urls
+            out.append(message["params"]["request"])
+    return out
 
 
-def assert_local_only(driver, url: str) -> None:
-    urls = network_urls(driver)
+def assert_local_only(driver, url: str, requests: list[dict] | None = None) -> None:
+    urls = [r["url"] for r in (sent_requests(driver) if requests is None else requests)]
     assert urls, "the performance log recorded no request"
     assert all(u.startswith(f"{url}/") for u in urls), [u for u in urls if not u.startswith(url)]
+
+
+def api_answer(url: str, body: str) -> dict:
+    """The API's own answer to a request body, sent as a script would."""
+    out = httpx.post(f"{url}/v1/systemone", content=body.encode(),
+                     headers={"Content-Type": "application/json"}, timeout=DEADLINE_S)
+    assert out.status_code == 200, out.text
+    return out.json()
 
 
 def assert_console_clean(driver, allowed: tuple[tuple[str, int], ...] = ()) -> None:
@@ -206,6 +227,30 @@ def bars(driver, qid: str) -> dict[str, dict]:
     return out
 
 
+def assert_bars_are(driver, answers: dict) -> None:
+    """The page's bars (numbers, widths, the chosen row) and expected level are ``answers``, the
+    API's ``answers`` for the example's urgent / team / anger questions."""
+    assert [s.get_attribute("data-qid") for s in
+            driver.find_elements(By.CSS_SELECTOR, "#results .answer")] == ["urgent", "team", "anger"]
+    p_true = answers["urgent"]["noul"]
+    want = {"urgent": {"true": p_true, "false": round(1 - p_true, 4)},
+            "team": answers["team"]["probabilities"], "anger": answers["anger"]["probabilities"]}
+    chosen = {"urgent": "true" if p_true >= 0.5 else "false", "team": answers["team"]["choice"],
+              "anger": max(answers["anger"]["probabilities"],
+                           key=answers["anger"]["probabilities"].get)}
+    for qid, probs in want.items():
+        shown = bars(driver, qid)
+        assert list(shown) == list(probs), qid
+        for option, p in probs.items():
+            bar = shown[option]
+            assert bar["number"] == p, (qid, option)
+            assert bar["declared"] == pytest.approx(100 * p, abs=1e-9), (qid, option)
+            assert bar["style"] == pytest.approx(p, abs=1.0 / bar["track_px"]), (qid, option)
+            assert bar["chosen"] == (option == chosen[qid]), (qid, option)
+    expected_level = driver.find_element(By.CSS_SELECTOR, '.answer[data-qid="anger"] .score').text
+    assert float(expected_level) == answers["anger"]["score"]
+
+
 STATE = "Refund 1182 not received after 14 days; the customer writes for the third time."
 EXPECTED_QUESTIONS = [
     ["urgent", [["type", "noul"], ["instructions", "Is this urgent?"]]],
@@ -252,6 +297,7 @@ def build_request_with_the_keyboard(driver) -> None:
 # ------------------------------------------------------------------ tests
 def test_form_request_bars_equal_the_api(browser, server, shots):
     open_page(browser, server)
+    assert not by_id(browser, "model-picker-row").is_displayed()  # one model: nothing to pick
     shot(browser, shots, "01-loaded")
     build_request_with_the_keyboard(browser)
     shot(browser, shots, "02-form")
@@ -261,28 +307,9 @@ def test_form_request_bars_equal_the_api(browser, server, shots):
     assert ordered(sent) == [["state", STATE], ["questions", EXPECTED_QUESTIONS]]
     decide(browser)
     assert_answered(browser)
-    api = httpx.post(f"{server}/v1/systemone", content=sent.encode(),
-                     headers={"Content-Type": "application/json"}, timeout=DEADLINE_S).json()
+    api = api_answer(server, sent)
     answers = api["answers"]
-    assert [s.get_attribute("data-qid") for s in
-            browser.find_elements(By.CSS_SELECTOR, "#results .answer")] == ["urgent", "team", "anger"]
-    p_true = answers["urgent"]["noul"]
-    want = {"urgent": {"true": p_true, "false": round(1 - p_true, 4)},
-            "team": answers["team"]["probabilities"], "anger": answers["anger"]["probabilities"]}
-    chosen = {"urgent": "true" if p_true >= 0.5 else "false", "team": answers["team"]["choice"],
-              "anger": max(answers["anger"]["probabilities"],
-                           key=answers["anger"]["probabilities"].get)}
-    for qid, probs in want.items():
-        shown = bars(browser, qid)
-        assert list(shown) == list(probs), qid
-        for option, p in probs.items():
-            bar = shown[option]
-            assert bar["number"] == p, (qid, option)
-            assert bar["declared"] == pytest.approx(100 * p, abs=1e-9), (qid, option)
-            assert bar["style"] == pytest.approx(p, abs=1.0 / bar["track_px"]), (qid, option)
-            assert bar["chosen"] == (option == chosen[qid]), (qid, option)
-    expected_level = browser.find_element(By.CSS_SELECTOR, '.answer[data-qid="anger"] .score').text
-    assert float(expected_level) == answers["anger"]["score"]
+    assert_bars_are(browser, answers)
     assert by_id(browser, "tokens").text == str(api["usage"]["input_tokens"])
     shot(browser, shots, "03-decided")
     if os.environ.get("CLEF_UI_README_PNG"):
@@ -448,3 +475,56 @@ def test_api_key_is_asked_once(browser, keyed_server, shots):
     assert not by_id(browser, "key-form").is_displayed()
     assert_local_only(browser, keyed_server)
     assert_console_clean(browser, allowed=(("/v1/models", 401),))
+
+
+def test_model_picker_sends_the_chosen_fine_tune(browser, tuned_server, tiny_fine_tunes, shots):
+    listed = httpx.get(f"{tuned_server}/v1/models", timeout=DEADLINE_S).json()["models"]
+    base = next(m["name"] for m in listed if m["default"])
+    open_page(browser, tuned_server)
+    picker = field(by_id(browser, "model"), "Model")  # labelled, the default preselected
+    assert picker.get_attribute("id") == "model-picker" and picker.is_displayed()
+    options = picker.find_elements(By.TAG_NAME, "option")
+    assert [(o.get_attribute("value"), o.is_selected()) for o in options] == \
+        [(base, True), ("a", False), ("b", False)]
+    # nothing picked: the default answers, and the request names it
+    decide(browser)
+    assert_answered(browser)
+    assert by_id(browser, "answers-status").text == f"Answered by {base}"
+    # the fine-tune picked from the keyboard: the request names it, it answers, the bars are its own
+    picker.send_keys(Keys.ARROW_DOWN)
+    assert picker.get_attribute("value") == "a"
+    assert by_id(browser, "model-status").text.startswith("Model: a")
+    decide(browser)
+    assert_answered(browser)
+    assert by_id(browser, "answers-status").text == "Answered by a"
+    shot(browser, shots, "13-fine-tune")
+    requests = sent_requests(browser)
+    assert_local_only(browser, tuned_server, requests)
+    posted = [r["postData"] for r in requests if r["method"] == "POST"]
+    assert [json.loads(body)["model"] for body in posted] == [base, "a"]
+    by_base, by_a = (api_answer(tuned_server, body) for body in posted)
+    assert by_a["model"] == "a" and by_a["answers"] != by_base["answers"]  # it is another model
+    assert_bars_are(browser, by_a["answers"])
+    # the copies name it too: curl runs as it is; the Python one loads the fine-tune's directory
+    press(by_id(browser, "copy-json"))
+    assert json.loads(by_id(browser, "copy-output").text)["model"] == "a"
+    press(by_id(browser, "copy-curl"))
+    ran = subprocess.run(["bash", "-c", by_id(browser, "copy-output").text], capture_output=True,
+                         text=True, timeout=DEADLINE_S)
+    assert json.loads(ran.stdout)["answers"] == by_a["answers"], ran.stderr
+    press(by_id(browser, "copy-python"))
+    assert f'adapters={{"a": {json.dumps(str(tiny_fine_tunes["a"]))}}}' in \
+        by_id(browser, "copy-output").text
+    # a run again from the history asks its own model again, whatever is picked now
+    picker.send_keys(Keys.ARROW_DOWN)
+    assert picker.get_attribute("value") == "b"
+    newest = browser.find_elements(By.CSS_SELECTOR, "#history li")[0]
+    assert newest.find_element(By.CSS_SELECTOR, ".what").text.endswith("(a)")
+    press(newest.find_element(By.XPATH, ".//button[text()='Run again']"))
+    wait(browser, lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-decisions")
+         == "3", "the run again to end")
+    assert picker.get_attribute("value") == "a"
+    assert by_id(browser, "answers-status").text == "Answered by a"
+    assert_bars_are(browser, by_a["answers"])
+    assert_local_only(browser, tuned_server)
+    assert_console_clean(browser)

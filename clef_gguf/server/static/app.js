@@ -476,14 +476,30 @@
     const options = get(node, "options");
     $("opt-truncate").checked = !!(get(options, "truncate_state") || {}).v;
     $("opt-strict").checked = !!(get(options, "strict") || {}).v;
-    const model = text(get(node, "model"));
-    if (model !== undefined && models.includes(model)) $("model-picker").value = model;
     if (formView()) renderQuestions(); else showQuestionsJson();
     clearErrors();
+    pickModelOf(node);
+  }
+
+  // A loaded run asks for the model it named (none: the default, which answered it); one this
+  // server does not list leaves the picker as it is, and says so.
+  function pickModelOf(request) {
+    if (models.length < 2) return;
+    const named = get(request, "model");
+    const want = named === undefined ? defaultModel : text(named);
+    const picker = $("model-picker");
+    if (want !== undefined && models.includes(want)) {
+      if (picker.value !== want) { picker.value = want; showModel(); }
+      return;
+    }
+    setError("model-error", "This run named the model " + (want === undefined ? dump(named) : want) +
+      ", which this server does not list; it will be sent to " + picker.value + ".");
   }
 
   // ------------------------------------------------------------------ the API
-  let models = [];
+  let models = [];        // the names /v1/models lists, the default first
+  let modelList = [];     // their entries as listed (ordered JSON values)
+  let defaultModel;       // the name of the one marked "default": true
   let baseline = null;
   let lastResult = null;
 
@@ -531,32 +547,43 @@
     showModels(list);
   }
 
+  // Several models (a base and its fine-tunes): a picker, the default preselected and a choice
+  // already made kept across a reload of the list. One model: no picker, and no "model" is sent.
   function showModels(list) {
-    models = list.map((m) => text(get(m, "name")) || "");
     const picker = $("model-picker");
-    picker.replaceChildren(...models.map((name) => el("option", {value: name, text: name})));
+    const before = picker.value;
+    modelList = list;
+    models = list.map((m) => text(get(m, "name")) || "");
+    const marked = list.find((m) => (get(m, "default") || {}).v === true);
+    defaultModel = marked ? text(get(marked, "name")) : models[0];
+    picker.replaceChildren(...list.map((m, i) => el("option", {value: models[i],
+      text: models[i] + (models[i] === defaultModel ? " (default)" : get(m, "fine_tune") ? " (fine-tune)" : "")})));
+    picker.value = models.includes(before) && before ? before : defaultModel;
     $("model-picker-row").hidden = models.length < 2;
-    const show = () => {
-      const m = list[Math.max(0, models.indexOf(picker.value))];
-      $("model-name").textContent = text(get(m, "name")) || "";
-      const info = $("model-info");
-      info.replaceChildren();
-      for (const [k, v] of (m && m.k === "o" ? m.e : [])) {
-        if (k === "files" && v.k === "o") {
-          for (const [file, hash] of v.e) {
-            info.append(el("dt", {text: "sha256 " + file}), el("dd", {class: "hash", text: hash.k === "s" ? hash.v : "unknown"}));
-          }
-        } else {
-          info.append(el("dt", {text: k}), el("dd", {text: v.k === "s" ? v.v : dump(v)}));
-        }
-      }
-      const parts = ["quant", "backend", "precision"].map((k) => text(get(m, k)) || (get(m, k) ? dump(get(m, k)) : null))
-        .filter((v, i, all) => v && all.indexOf(v) === i);
-      $("model-status").textContent = "Model: " + (text(get(m, "name")) || "?") + (parts.length ? " · " + parts.join(" · ") : "");
-    };
-    picker.onchange = show;
-    show();
+    picker.onchange = () => { setError("model-error", ""); showModel(); };
+    showModel();
     $("model-details").hidden = !list.length;
+    renderHistory();
+  }
+
+  // The chosen model's facts under the picker (the only one's, without a picker).
+  function showModel() {
+    const m = modelList[Math.max(0, models.indexOf($("model-picker").value))];
+    $("model-name").textContent = text(get(m, "name")) || "";
+    const info = $("model-info");
+    info.replaceChildren();
+    for (const [k, v] of (m && m.k === "o" ? m.e : [])) {
+      if (k === "files" && v.k === "o") {
+        for (const [file, hash] of v.e) {
+          info.append(el("dt", {text: "sha256 " + file}), el("dd", {class: "hash", text: hash.k === "s" ? hash.v : "unknown"}));
+        }
+      } else {
+        info.append(el("dt", {text: k}), el("dd", {text: v.k === "s" ? v.v : dump(v)}));
+      }
+    }
+    const parts = ["quant", "backend", "precision"].map((k) => text(get(m, k)) || (get(m, k) ? dump(get(m, k)) : null))
+      .filter((v, i, all) => v && all.indexOf(v) === i);
+    $("model-status").textContent = "Model: " + (text(get(m, "name")) || "?") + (parts.length ? " · " + parts.join(" · ") : "");
   }
 
   function askKey(message) {
@@ -790,7 +817,8 @@
     const list = $("history");
     list.replaceChildren(...history().map((item, i) => el("li", {},
       el("span", {class: "when", text: new Date(item.at).toLocaleTimeString()}), " ",
-      el("span", {class: "what", text: item.state + " → " + item.summary}), " ",
+      el("span", {class: "what", text: item.state + " → " + item.summary +
+        (models.length > 1 && item.model ? " (" + item.model + ")" : "")}), " ",
       el("button", {type: "button", text: "Load", "aria-label": "Load run " + (i + 1),
         onclick: () => loadRequest(parseJson(item.request))}),
       el("button", {type: "button", text: "Run again", "aria-label": "Run again run " + (i + 1),
@@ -831,9 +859,14 @@
         (keyed ? "-H \"Authorization: Bearer $CLEF_GGUF_API_KEY\" " : "") +
         "-d '" + compact.replace(/'/g, "'\\''") + "'";
     } else if (kind === "python") {
-      const name = models[0] || "./model";
+      // the base (the entry that is no fine-tune), with the chosen fine-tune's directory
+      const base = modelList.find((m) => !get(m, "fine_tune"));
+      const name = (base && text(get(base, "name"))) || models[0] || "./model";
+      const picked = text(get(request, "model"));
+      const dir = text(get(get(modelList[models.indexOf(picked)], "fine_tune"), "directory"));
+      const adapters = dir ? ", adapters={" + JSON.stringify(picked) + ": " + JSON.stringify(dir) + "}" : "";
       out = "import json\n\nfrom clef_gguf import Clef\n\n" + py +
-        "with Clef.load(" + JSON.stringify(name) + ") as clef:  # a model directory or catalog name\n" +
+        "with Clef.load(" + JSON.stringify(name) + adapters + ") as clef:  # a model directory or catalog name\n" +
         "    print(json.dumps(clef.decide(request), indent=2))\n";
     } else if (kind === "avrik") {
       const extras = ["model", "options"].filter((k) => get(request, k)).map((k) => ", " + k + '=request["' + k + '"]').join("");
