@@ -41,6 +41,9 @@ COMMANDS = {
               "serve POST /v1/systemone (SystemOne wire format) on a local HTTP port"),
     "ui": ("clef_gguf.server.ui_command", "add_arguments", "run",
            "open the decision playground in the browser (serve on a free loopback port + GET /)"),
+    "mcp": ("clef_gguf.agent.mcp_server", "add_arguments", "run",
+            "serve the model to AI agents over the Model Context Protocol on stdin/stdout (tools: "
+            "decide, models; for Claude Desktop and other MCP clients; pip install 'clef-gguf[mcp]')"),
     "pull": ("clef_gguf.models.commands", "add_pull_arguments", "run_pull",
              "download a catalog model (tower GGUF + head + tokenizer) at its pinned revision"),
     "list": ("clef_gguf.models.commands", "add_list_arguments", "run_list",

@@ -42,6 +42,7 @@ SLOW_MODULES = {
     "tests/tools/test_parity.py": "transformers reference runs over every output type",
     "tests/test_corrupt_files.py": "hundreds of damaged files loaded in child processes",
     "tests/test_cli.py": "one Python process per command",
+    "tests/agent/test_mcp_server.py": "MCP server processes, each answer checked against decide and serve processes",
     "tests/test_scripts.py": "the GPU check script in a subprocess",
     "tests/models/test_hub_decide.py": "a fake Hub server and a CLI download",
     "tests/models/test_hub_vision.py": "a fake Hub serving a sharded release; image decisions through it",

@@ -32,8 +32,9 @@ LOWER |= {  # the applications, on top
     "bulk": _BELOW_APPS,
     "server": _BELOW_APPS | {"bulk"},
     "evaluate": _BELOW_APPS | {"bulk"},
+    "agent": _BELOW_APPS | {"bulk"},  # clef-gguf mcp (bulk: its optional-dependency check)
     "tools": _BELOW_APPS | {"bulk", "server", "evaluate"},
-    "cli": _BELOW_APPS | {"bulk", "server", "evaluate", "tools"},
+    "cli": _BELOW_APPS | {"bulk", "server", "evaluate", "agent", "tools"},
 }
 
 

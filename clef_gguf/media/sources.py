@@ -76,6 +76,16 @@ class MediaPolicy:
 INLINE_ONLY = MediaPolicy(local_paths=False)
 
 
+def add_file_roots_argument(group: Any, refused: str) -> None:
+    """``--media-allow-files [DIR]`` on an argparse group (``serve``, ``mcp``): what ``served_sources``
+    reads. ``refused``: what happens to a path without the flag, for the help."""
+    group.add_argument("--media-allow-files", action="append", nargs="?", const=".", metavar="DIR",
+                       default=None,
+                       help="let requests name images by local file path (relative to the working "
+                            "directory), when the file (symlinks followed) lies inside DIR; "
+                            f"repeatable; without DIR: the working directory. Default: {refused}")
+
+
 def served_sources(args: Any) -> MediaPolicy:
     """What ``serve``'s ``--media-allow-url`` / ``--media-allow-files DIR`` open beyond inline
     images; a DIR that is not a directory is refused here, before the server starts."""

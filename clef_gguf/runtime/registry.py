@@ -58,6 +58,24 @@ def named_model(request: Any) -> str | None:
     return name if isinstance(name, str) else None
 
 
+class Described(Protocol):
+    """A served model as a listing sees it: what it says about itself."""
+
+    @property
+    def info(self) -> Mapping[str, Any]: ...
+
+
+def model_entries(models: Mapping[str, Described], default: str | None) -> list[dict[str, Any]]:
+    """What a process serving ``models`` lists (``GET /v1/models``, the MCP ``models`` tool): each
+    model's ``info``, its name first and whether a request naming no model gets it; the default
+    first (what a client picks when it takes the first), then the others by name."""
+    entries = []
+    for name, model in sorted(models.items(), key=lambda item: (item[0] != default, item[0])):
+        info = dict(model.info)
+        entries.append({"name": info.pop("name"), **info, "default": name == default})
+    return entries
+
+
 def family_of(model_name: str) -> str | None:
     """The catalog family a model's name says it is (``clef-flash:Q4_K_M@...`` -> ``clef-flash``)."""
     from clef_gguf.models.catalog import load_catalog

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from clef_gguf.core import argtypes
 from clef_gguf.core.errors import ClefError, MissingField
-from clef_gguf.media.sources import INLINE_ONLY, MediaPolicy, served_sources
+from clef_gguf.media.sources import INLINE_ONLY, MediaPolicy, add_file_roots_argument, served_sources
 from clef_gguf.server import schema
 from clef_gguf.server import ui as page
 from clef_gguf.server.guard import Guard, SitePolicy, allowed_host, cors_origin
@@ -215,12 +215,7 @@ def add_arguments(p: argparse.ArgumentParser, *, page_flag: bool = True) -> None
                         "its subdomains too, host:port), under this URL prefix (https://cdn.example.com/"
                         "img/), or * for any; repeatable. Default: no fetching (data: URIs and base64 "
                         "only): a server that fetches what a request names is an SSRF hole")
-    g.add_argument("--media-allow-files", action="append", nargs="?", const=".", metavar="DIR",
-                   default=None,
-                   help="let requests name images by local file path (relative to the working "
-                        "directory), when the file (symlinks followed) lies inside DIR; "
-                        "repeatable; without DIR: the working directory. Default: refused "
-                        "(unsupported_media_source)")
+    add_file_roots_argument(g, "refused (unsupported_media_source)")
     g.add_argument("--max-batch", type=argtypes.positive_int, default=DEFAULT_MAX_BATCH,
                    help=f"inputs per batch request (default {DEFAULT_MAX_BATCH})")
     g.add_argument("--engine", choices=("uvicorn", "ray-serve"), default="uvicorn",

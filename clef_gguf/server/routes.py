@@ -22,6 +22,7 @@ from starlette.responses import Response
 
 from clef_gguf.core import errors
 from clef_gguf.media.sources import INLINE_ONLY, MediaPolicy
+from clef_gguf.runtime.registry import model_entries
 from clef_gguf.server import schema, workers_ai
 from clef_gguf.server.batch import batch_response, compute_items, is_batch, parse_batch, prepare_items
 from clef_gguf.server.http import (RequestClient, client_closed, error_response, internal_error,
@@ -168,13 +169,8 @@ class Routes:
             served = self.served.require()
         except errors.ClefError as exc:
             return error_response(exc)
-        # The default model first, then the others (the base and its fine-tunes) by name.
         default = served.provenance.model_name if served.provenance is not None else None
-        entries = []
-        for name, model in sorted(served.models.items(), key=lambda item: (item[0] != default, item[0])):
-            info = dict(model.info)
-            entries.append({"name": info.pop("name"), **info, "default": name == default})
-        return json_response({"models": entries})
+        return json_response({"models": model_entries(served.models, default)})
 
     async def health(self) -> Response:
         status = self.served.status
