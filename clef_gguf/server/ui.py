@@ -7,7 +7,8 @@ the page holds no secret: it asks for the key itself and sends it on its API cal
 
 Every response carries a Content-Security-Policy that allows only this origin's own script and
 stylesheet files (no inline code, no ``eval``, no frames, no form posts), so text that reached the
-page from a request could not run even if it were ever put into the document as markup.
+page from a request could not run even if it were ever put into the document as markup. Images: this
+origin's and ``blob:`` object URLs, the thumbnails the page makes of a request's pictures.
 """
 
 from __future__ import annotations
@@ -24,7 +25,10 @@ ASSETS = {
     "/ui/icon.svg": ("icon.svg", "image/svg+xml"),
 }
 PATHS = frozenset(ASSETS)  # served without the API key: the page asks for the key itself
-CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
+# img-src blob:: the thumbnails of the request's pictures are object URLs the page makes from bytes it
+# already holds (a picked, dropped or pasted file; a picture of a run in the history): nothing is
+# fetched for them, and data: stays refused (the page never needs it).
+CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' blob:; "
        "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 HEADERS = {
     "Content-Security-Policy": CSP,

@@ -61,9 +61,45 @@ def test_page_and_assets_are_served_with_a_strict_csp(path, media_type, name):
     assert directives["default-src"] == "'none'"
     assert directives["script-src"] == "'self'" and directives["style-src"] == "'self'"
     assert directives["connect-src"] == "'self'" and directives["frame-ancestors"] == "'none'"
+    # the pictures' thumbnails: object URLs the page makes itself; no data:, nothing from elsewhere
+    assert directives["img-src"] == "'self' blob:"
     assert "unsafe" not in csp  # no inline code, no eval
     assert response.headers["x-content-type-options"] == "nosniff"
     assert response.headers["referrer-policy"] == "no-referrer"
+
+
+def js_constant(name: str) -> int:
+    """``const NAME = <integer product>;`` in app.js, evaluated."""
+    found = re.search(rf"^\s*const {name} = ([\d\s*_]+);", (STATIC / "app.js").read_text(), re.M)
+    assert found, name
+    product = 1
+    for factor in found.group(1).split("*"):
+        product *= int(factor)
+    return product
+
+
+def test_page_limits_equal_the_servers():
+    # the page refuses a request with pictures over these before sending it, with the server's words
+    from clef_gguf.media.sources import DEFAULT_MAX_IMAGES
+    from clef_gguf.server.app import DEFAULT_MAX_BODY
+    assert js_constant("MAX_BODY_BYTES") == DEFAULT_MAX_BODY
+    assert js_constant("MAX_IMAGES") == DEFAULT_MAX_IMAGES
+
+
+def test_page_words_its_refusals_as_the_server_does():
+    from clef_gguf.core import errors
+    from clef_gguf.media.sources import MediaPolicy, check_count
+    with client(max_body_bytes=10) as started:  # the lifespan runs: no "shutting_down"
+        refused = started.post("/v1/systemone", content=b"{}" * 10,
+                               headers={"Content-Type": "application/json"})
+    assert refused.status_code == 413 and refused.json()["error"]["code"] == "body_too_large"
+    with pytest.raises(errors.MediaTooLarge) as too_many:
+        check_count(33, MediaPolicy(), "images")
+    script = (STATIC / "app.js").read_text()
+    for message in (refused.json()["error"]["message"], too_many.value.message):
+        # the message's words between its numbers, each a string literal the page joins them with
+        for words in filter(None, re.split(r"\d+", message)):
+            assert f'"{words}' in script or f'{words}"' in script, (message, words)
 
 
 def test_page_is_not_in_the_api_schema():

@@ -6,7 +6,11 @@ bars (width and number) equal the API's own answer to the same request; the ques
 round-trips (key order and numbers as written); errors land next to the field they name; ids made of
 markup render as text; the API key is asked once; with fine-tunes served beside the base, the model
 picker sends the chosen one as ``model`` and the answer names it; no request leaves 127.0.0.1 and
-the console stays clean. Screenshots of each state go to ``$CLEF_UI_SCREENSHOTS`` (else the test's tmp dir);
+the console stays clean. Pictures given by the file picker, a drop and a paste are sent in order as
+data URIs and answered as the API answers the same body, a removed one leaves the request, a run
+from the history brings them back, the copies carry them; 33 pictures are refused in the page in the
+server's words with nothing sent, and the server's refusal of a picture is shown at the pictures.
+Screenshots of each state go to ``$CLEF_UI_SCREENSHOTS`` (else the test's tmp dir);
 ``CLEF_UI_README_PNG=1`` also writes docs/ui.png, the README's picture.
 
 The browser and its driver are the system's (``apt-get install chromium chromium-driver``, as CI
@@ -16,6 +20,7 @@ skipped with that reason, before any server starts; under ``CLEF_REQUIRE_BROWSER
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
@@ -31,6 +36,9 @@ from selenium.webdriver.support.ui import WebDriverWait
 
 from browser_helpers import chromium, system_browser
 from server_helpers import DEADLINE_S, REPO, serve_process, wait_healthy
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "media"))
+from media_helpers import data_uri, encode, picture  # noqa: E402
 
 MAX_LENGTH = 1024  # a small window, so that a long state is refused with field "state"
 XSS = "<img src=x onerror=alert(1)>"
@@ -163,7 +171,9 @@ def sent_requests(driver) -> list[dict]:
 def assert_local_only(driver, url: str, requests: list[dict] | None = None) -> None:
     urls = [r["url"] for r in (sent_requests(driver) if requests is None else requests)]
     assert urls, "the performance log recorded no request"
-    assert all(u.startswith(f"{url}/") for u in urls), [u for u in urls if not u.startswith(url)]
+    # blob: URLs of this origin are the pictures' thumbnails, made by the page from bytes it holds
+    elsewhere = [u for u in urls if not u.startswith((f"{url}/", f"blob:{url}/"))]
+    assert not elsewhere, elsewhere
 
 
 def api_answer(url: str, body: str) -> dict:
@@ -292,6 +302,58 @@ def build_request_with_the_keyboard(driver) -> None:
     set_text(card(driver, 2), "Level 1", "annoyed")
     press(card(driver, 2).find_element(By.XPATH, ".//button[text()='Add level']"))
     set_text(card(driver, 2), "Level 2", "furious")
+
+
+# A drop anywhere on the page (dragover first, as a real drag) or a paste of files, each as the
+# browser hands them to the page: File objects in a DataTransfer.
+GIVE_FILES = """
+const [how, files, targetId] = arguments;
+const dt = new DataTransfer();
+for (const [name, b64] of files) {
+  dt.items.add(new File([Uint8Array.from(atob(b64), (c) => c.charCodeAt(0))], name, {type: "image/png"}));
+}
+const target = document.getElementById(targetId);
+if (how === "paste") {
+  const paste = new ClipboardEvent("paste", {clipboardData: dt, bubbles: true, cancelable: true});
+  target.dispatchEvent(paste);
+  return [paste.defaultPrevented];
+}
+const over = new DragEvent("dragover", {dataTransfer: dt, bubbles: true, cancelable: true});
+target.dispatchEvent(over);
+const highlighted = document.body.classList.contains("dragging");
+const drop = new DragEvent("drop", {dataTransfer: dt, bubbles: true, cancelable: true});
+target.dispatchEvent(drop);
+return [over.defaultPrevented, highlighted, drop.defaultPrevented,
+        document.body.classList.contains("dragging")];
+"""
+
+
+def give_files(driver, how: str, files: dict[str, bytes], target: str) -> list:
+    return driver.execute_script(GIVE_FILES, how, [[name, base64.b64encode(data).decode()]
+                                                   for name, data in files.items()], target)
+
+
+def thumbnails(driver, count: int) -> list:
+    """Once ``count`` thumbnails are there and drawn: each one's (alt, natural width, its Remove
+    button's label)."""
+    wait(driver, lambda d: d.execute_script(
+        "const imgs = document.querySelectorAll('#images-list img');"
+        "return imgs.length === arguments[0] && [...imgs].every((i) => i.complete);", count),
+        f"{count} thumbnails")
+    return [(li.find_element(By.TAG_NAME, "img").get_attribute("alt"),
+             driver.execute_script("return arguments[0].naturalWidth", li.find_element(By.TAG_NAME, "img")),
+             li.find_element(By.TAG_NAME, "button").get_attribute("aria-label"))
+            for li in driver.find_elements(By.CSS_SELECTOR, "#images-list li")]
+
+
+def copied_json(driver) -> dict:
+    press(by_id(driver, "copy-json"))
+    return json.loads(by_id(driver, "copy-output").text)
+
+
+def posted(driver) -> list[str]:
+    """The bodies the page POSTed since the last look."""
+    return [r["postData"] for r in sent_requests(driver) if r["method"] == "POST"]
 
 
 # ------------------------------------------------------------------ tests
@@ -528,3 +590,107 @@ def test_model_picker_sends_the_chosen_fine_tune(browser, tuned_server, tiny_fin
     assert_bars_are(browser, by_a["answers"])
     assert_local_only(browser, tuned_server)
     assert_console_clean(browser)
+
+
+def test_pictures_picked_dropped_and_pasted_bars_equal_the_api(browser, server, shots, tmp_path):
+    pngs = {f"p{i}.png": encode(picture(40 + 8 * i, 24, seed=i)) for i in range(3)}
+    uris = [data_uri(data) for data in pngs.values()]
+    (tmp_path / "p0.png").write_bytes(pngs["p0.png"])
+    open_page(browser, server)
+    # the file picker, a drop onto another part of the page, a paste into the state
+    by_id(browser, "images-input").send_keys(str(tmp_path / "p0.png"))
+    thumbnails(browser, 1)
+    assert give_files(browser, "drop", {"p1.png": pngs["p1.png"]}, "results") == [True, True, True, False]
+    thumbnails(browser, 2)
+    state = by_id(browser, "state").get_attribute("value")
+    assert give_files(browser, "paste", {"p2.png": pngs["p2.png"]}, "state") == [True]
+    assert by_id(browser, "state").get_attribute("value") == state  # nothing pasted as text
+    assert thumbnails(browser, 3) == [
+        (f"Picture {i + 1} (p{i}.png)", 40 + 8 * i, f"Remove picture {i + 1} (p{i}.png)") for i in range(3)]
+    shot(browser, shots, "14-pictures")
+    # sent in order as data URIs; the bars are the API's answer to the same body
+    assert copied_json(browser)["images"] == uris
+    sent_requests(browser)
+    decide(browser)
+    assert_answered(browser)
+    [body] = posted(browser)
+    assert json.loads(body)["images"] == uris
+    api = api_answer(server, body)
+    assert_bars_are(browser, api["answers"])
+    text_only = api_answer(server, json.dumps({k: v for k, v in json.loads(body).items() if k != "images"}))
+    assert api["usage"]["input_tokens"] > text_only["usage"]["input_tokens"]  # the pictures reached it
+    assert by_id(browser, "tokens").text == str(api["usage"]["input_tokens"])
+    assert by_id(browser, "pictures-used").text.startswith("3 ")
+    # asked again, the pictures' tokens come from the cache, as they did for the API's ask
+    decide(browser)
+    assert posted(browser) == [body]
+    cached = api["usage"].get("cached_media_tokens")
+    assert by_id(browser, "cached-media-row").is_displayed() == (cached is not None)
+    assert by_id(browser, "cached-media").text == ("" if cached is None else str(cached))
+    shot(browser, shots, "15-pictures-decided")
+    # the second one removed from the keyboard: the focus moves to the next Remove, the request drops it
+    press(browser.find_elements(By.CSS_SELECTOR, "#images-list button")[1])
+    assert [t[0] for t in thumbnails(browser, 2)] == ["Picture 1 (p0.png)", "Picture 2 (p2.png)"]
+    assert focused(browser).get_attribute("aria-label") == "Remove picture 2 (p2.png)"
+    assert copied_json(browser)["images"] == [uris[0], uris[2]]
+    decide(browser)
+    assert_answered(browser)
+    [body] = posted(browser)
+    assert json.loads(body)["images"] == [uris[0], uris[2]]
+    after = api_answer(server, body)
+    assert_bars_are(browser, after["answers"])
+    # the copied curl and avrik-sdk snippets carry the pictures and get the same answers
+    for button, cmd in (("copy-curl", ["bash", "-c"]), ("copy-avrik", [sys.executable, "-c"])):
+        press(by_id(browser, button))
+        snippet = by_id(browser, "copy-output").text
+        ran = subprocess.run([*cmd, snippet], capture_output=True, text=True, timeout=DEADLINE_S)
+        assert ran.returncode == 0, (snippet, ran.stderr)
+        assert json.loads(ran.stdout)["answers"] == after["answers"], button
+    press(by_id(browser, "copy-python"))
+    assert uris[2] in by_id(browser, "copy-output").text
+    # a run from the history brings its pictures back
+    press(by_id(browser, "images-list").find_element(By.TAG_NAME, "button"))
+    press(by_id(browser, "images-list").find_element(By.TAG_NAME, "button"))
+    assert by_id(browser, "images-list").find_elements(By.TAG_NAME, "li") == []
+    oldest = browser.find_elements(By.CSS_SELECTOR, "#history li")[-1]
+    press(oldest.find_element(By.XPATH, ".//button[text()='Load']"))
+    assert [t[:2] for t in thumbnails(browser, 3)] == [(f"Picture {i + 1}", 40 + 8 * i) for i in range(3)]
+    assert copied_json(browser)["images"] == uris
+    assert_local_only(browser, server)
+    assert_console_clean(browser)
+
+
+def test_pictures_over_the_limit_or_refused_are_named_at_the_pictures(browser, server, shots):
+    open_page(browser, server)
+    plain = copied_json(browser)
+    tiny = encode(picture(8, 8))
+    give_files(browser, "drop", {f"t{i}.png": tiny for i in range(33)}, "pictures")
+    thumbnails(browser, 33)
+    # the server's own refusal of the same request, word for word, before anything is sent
+    refused = httpx.post(f"{server}/v1/systemone", json={**plain, "images": [data_uri(tiny)] * 33},
+                         timeout=DEADLINE_S)
+    assert refused.status_code == 413
+    err = refused.json()["error"]
+    message = f"{err['message']} ({err['code']}, field {err['field']})"
+    error = by_id(browser, "images-error")
+    assert error.text == message
+    sent_requests(browser)
+    decide(browser)
+    assert posted(browser) == [] and error.text == message
+    assert focused(browser) == by_id(browser, "images-input")
+    assert by_id(browser, "answers-status").text == "No decision yet."
+    shot(browser, shots, "16-too-many-pictures")
+    # one removed: under the limit again; all removed, a file that is no picture the server reads:
+    # its refusal is shown at the pictures, naming the picture
+    press(by_id(browser, "images-list").find_element(By.TAG_NAME, "button"))
+    assert error.text == ""
+    for _ in range(32):  # each Remove hands the focus to the next one
+        press(focused(browser))
+    assert browser.find_elements(By.CSS_SELECTOR, "#images-list li") == []
+    give_files(browser, "paste", {"broken.png": b"not a png"}, "state")
+    wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#images-list li"), "the broken picture")
+    decide(browser)
+    assert "invalid_media" in error.text and "field images.0" in error.text, error.text
+    assert by_id(browser, "request-error").text == ""
+    assert_local_only(browser, server)
+    assert_console_clean(browser, allowed=(("/v1/systemone", 422),))

@@ -12,6 +12,12 @@
   const API_KEY = "clef-gguf.api-key";
   const HISTORY_MAX = 20;
   const MAX_DEPTH = 512;  // the server's nesting limit (clef_gguf/pipeline/request.py)
+  // The server's default limits, checked before a request with pictures is sent, with the messages
+  // the server would give (tests/server/test_ui.py checks these equal the Python constants). A
+  // server that lists its own under "limits" in GET /v1/models replaces them.
+  const MAX_BODY_BYTES = 32 * 1024 * 1024;  // serve --max-body-bytes (clef_gguf/server/app.py DEFAULT_MAX_BODY)
+  const MAX_IMAGES = 32;  // pictures per request (clef_gguf/media/sources.py DEFAULT_MAX_IMAGES)
+  const HISTORY_REQUEST_MAX = 200000;  // characters: a bigger request is kept without its pictures
   const NOUL_DEFAULTS = {
     true: "The proposition is true or the answer is yes.",
     false: "The proposition is false or the answer is no.",
@@ -348,6 +354,104 @@
     renderQuestions(q.key, "id");
   }
 
+  // ------------------------------------------------------------------ pictures
+  // The request's `images`, in order: {node (the JSON value sent: a data URI), name, size (bytes),
+  // url (the thumbnail's object URL, made here from those bytes; null when there is none)}.
+  let pictures = [];
+  let picturesNote = "";
+  const limits = {body: MAX_BODY_BYTES, images: MAX_IMAGES};
+  let adding = Promise.resolve();
+
+  const kb = (n) => (n < 1024 ? n + " B" : n < 1048576 ? (n / 1024).toFixed(1) + " KB" : (n / 1048576).toFixed(1) + " MB");
+
+  // Files from the picker, a drop or a paste, read as data URIs and added in their order (one batch
+  // after the other, so that a second drop never lands before the first).
+  function addPictures(fileList) {
+    const files = Array.from(fileList || []);
+    adding = adding.then(() => readPictures(files));
+    return adding;
+  }
+
+  async function readPictures(files) {
+    const refused = [];
+    const read = await Promise.all(files.map((file) => {
+      if (!/^image\//.test(file.type)) { refused.push(file.name || "a file"); return null; }
+      return new Promise((resolve) => {
+        const reader = new FileReader();
+        reader.onload = () => resolve({node: S(reader.result), name: file.name, size: file.size,
+          url: URL.createObjectURL(file)});
+        reader.onerror = () => { refused.push(file.name || "a file"); resolve(null); };
+        reader.readAsDataURL(file);
+      });
+    }));
+    pictures.push(...read.filter(Boolean));
+    picturesNote = "";
+    renderPictures();
+    changed();
+    if (refused.length) setError("images-error", "Not a picture: " + refused.join(", ") + " (PNG, JPEG, GIF or WebP).");
+  }
+
+  // A data URI's bytes as a Blob, for the thumbnail of a picture loaded from the history.
+  function blobOf(uri) {
+    const m = /^data:([^;,]*)((?:;[^;,]*)*);base64,/.exec(uri.slice(0, 200));
+    if (!m) return null;
+    try {
+      const bin = atob(uri.slice(m[0].length));
+      const bytes = new Uint8Array(bin.length);
+      for (let i = 0; i < bin.length; i++) bytes[i] = bin.charCodeAt(i);
+      return new Blob([bytes], {type: m[1]});
+    } catch (e) { return null; }
+  }
+
+  function pictureFrom(node) {
+    const blob = node.k === "s" ? blobOf(node.v) : null;
+    return {node, name: "", size: blob ? blob.size : dump(node).length, url: blob ? URL.createObjectURL(blob) : null};
+  }
+
+  function setPictures(list, note) {
+    for (const p of pictures) if (p.url) URL.revokeObjectURL(p.url);
+    pictures = list;
+    picturesNote = note || "";
+    renderPictures();
+  }
+
+  const pictureName = (p, n) => "picture " + n + (p.name ? " (" + p.name + ")" : "");
+
+  function renderPictures(focusIndex) {
+    const list = $("images-list");
+    list.replaceChildren(...pictures.map((p, i) => {
+      const name = pictureName(p, i + 1);
+      return el("li", {class: "thumb", dataset: {index: String(i)}},
+        p.url ? el("img", {src: p.url, alt: name[0].toUpperCase() + name.slice(1)}) : null,
+        el("span", {class: "thumb-label", text: (i + 1) + ". " + (p.name || (p.url ? "picture" : dump(p.node).slice(0, 40))) + " · " + kb(p.size)}),
+        el("button", {type: "button", text: "Remove", "aria-label": "Remove " + name,
+          onclick: () => removePicture(i)}));
+    }));
+    const total = pictures.reduce((sum, p) => sum + p.size, 0);
+    $("images-status").textContent = (pictures.length ? pictures.length + (pictures.length === 1 ? " picture, " : " pictures, ") + kb(total) + "." : "") +
+      (picturesNote ? " " + picturesNote : "");
+    if (focusIndex !== undefined) {
+      const buttons = list.querySelectorAll("button");
+      (buttons[Math.min(focusIndex, buttons.length - 1)] || $("images-input")).focus();
+    }
+  }
+
+  function removePicture(index) {
+    const [p] = pictures.splice(index, 1);
+    if (p && p.url) URL.revokeObjectURL(p.url);
+    picturesNote = "";
+    changed();
+    renderPictures(index);
+  }
+
+  // The count limit, as the server words it (clef_gguf/media/sources.py check_count).
+  function checkPictures() {
+    if (pictures.length <= limits.images) return true;
+    setError("images-error", pictures.length + " images or video frames, over the limit of " + limits.images +
+      " (media_too_large, field images)");
+    return false;
+  }
+
   // ------------------------------------------------------------------ views and validation
   const formView = () => $("questions-view-form").checked;
   const stateIsJson = () => $("state-mode-json").checked;
@@ -367,10 +471,11 @@
   }
 
   function clearErrors() {
-    for (const id of ["questions-error", "options-error", "request-error", "model-error"]) setError(id, "");
+    for (const id of ["questions-error", "options-error", "request-error", "model-error", "images-error"]) setError(id, "");
     document.querySelectorAll("[data-error=question]").forEach((p) => { p.textContent = ""; });
     document.querySelectorAll(".question [aria-invalid]").forEach((c) => c.removeAttribute("aria-invalid"));
     checkState();
+    checkPictures();
   }
 
   function checkState() {
@@ -454,6 +559,10 @@
     const entries = [];
     if (models.length > 1) entries.push(["model", S($("model-picker").value)]);
     entries.push(["state", stateNode()]);
+    if (pictures.length) {
+      if (!checkPictures()) throw new FieldError("images");
+      entries.push(["images", {k: "a", v: pictures.map((p) => p.node)}]);
+    }
     entries.push(["questions", currentQuestions()]);
     const options = [];
     if ($("opt-truncate").checked) options.push(["truncate_state", {k: "b", v: true}]);
@@ -462,7 +571,10 @@
     return obj(entries);
   }
 
-  function loadRequest(node) {
+  function loadRequest(node, droppedPictures) {
+    const images = get(node, "images");
+    setPictures(images && images.k === "a" ? images.v.map(pictureFrom) : [], droppedPictures
+      ? "This run had " + droppedPictures + (droppedPictures === 1 ? " picture" : " pictures") + ", too large to keep in the history: add them again." : "");
     const state = get(node, "state");
     if (state && state.k === "s") {
       $("state-mode-text").checked = true;
@@ -544,6 +656,9 @@
     if (!response.ok) { $("model-status").textContent = "GET /v1/models: " + apiError(node, response.status).message; return; }
     $("key-form").hidden = true;
     const list = (get(node, "models") || {v: []}).v;
+    const listed = get(node, "limits");
+    if (num(get(listed, "max_body_bytes")) > 0) limits.body = num(get(listed, "max_body_bytes"));
+    if (num(get(listed, "max_images")) > 0) limits.images = num(get(listed, "max_images"));
     showModels(list);
   }
 
@@ -613,6 +728,13 @@
       throw e;
     }
     const body = dump(request);
+    const size = new Blob([body]).size;
+    if (size > limits.body) {  // as the server refuses it (clef_gguf/server/http.py read_json)
+      setError(pictures.length ? "images-error" : "request-error",
+        "the body is " + size + " bytes; the limit is " + limits.body + " (body_too_large)");
+      if (pictures.length) focusError("images");
+      return;
+    }
     const button = $("decide");
     button.disabled = true;
     $("answers-status").textContent = "Deciding…";
@@ -635,8 +757,9 @@
       showApiError(apiError(node, response.status), request);
       return;
     }
-    lastResult = {request: body, response: node, latency, timing: response.headers.get("Server-Timing") || "",
-      model: text(get(node, "model")) || "", at: new Date().toISOString()};
+    lastResult = {request: body, node: request, pictures: pictures.length, response: node, latency,
+      timing: response.headers.get("Server-Timing") || "", model: text(get(node, "model")) || "",
+      at: new Date().toISOString()};
     showResult(lastResult);
     remember(lastResult);
     $("pin-baseline").disabled = false;
@@ -651,6 +774,13 @@
       setError("options-error", message); return;
     }
     if (f === "model") { setError("model-error", message); return; }
+    const media = (name) => f === name || f.startsWith(name + ".");
+    if (media("images") || media("videos") || media("media_kwargs") ||
+        (!f && pictures.length && ["body_too_large", "media_too_large"].includes(err.code))) {
+      setError("images-error", message);
+      focusError("images");
+      return;
+    }
     if (f === "questions" || f.startsWith("questions.")) {
       const ids = (get(request, "questions") || {e: []}).e.map((e) => e[0])
         .filter((id) => f === "questions." + id || f.startsWith("questions." + id + "."))
@@ -677,7 +807,7 @@
   }
 
   function focusError(what) {
-    const target = {state: "state", "questions-json": "questions-json"}[what];
+    const target = {state: "state", "questions-json": "questions-json", images: "images-input"}[what];
     if (target) $(target).focus();
   }
 
@@ -743,10 +873,19 @@
     $("tokens").textContent = dump(get(usage, "input_tokens") || {k: "z"});
     $("cached").textContent = dump(get(usage, "cached_tokens") || {k: "z"});
     $("latency").textContent = result.latency.toFixed(1) + " ms (in the browser)";
-    $("server-timing").textContent = result.timing.split(",").map((part) => {
-      const m = /^\s*([\w-]+);dur=([\d.]+)/.exec(part);
-      return m ? m[1] + " " + Number(m[2]).toFixed(1) + " ms" : null;
-    }).filter(Boolean).join(", ") || "—";
+    const stages = result.timing.split(",").map((part) => /^\s*([\w-]+);dur=([\d.]+)/.exec(part)).filter(Boolean)
+      .map((m) => [m[1], Number(m[2]).toFixed(1) + " ms"]);
+    $("server-timing").textContent = stages.map((s) => s[0] + " " + s[1]).join(", ") || "—";
+    // with pictures: how many, their tokens the vision tower did not run for, and its time, where
+    // the response and the Server-Timing header carry them (their tokens are in input_tokens)
+    $("pictures-row").hidden = !result.pictures;
+    $("pictures-used").textContent = String(result.pictures || 0) + " (their tokens are counted in the input tokens)";
+    const cachedMedia = get(usage, "cached_media_tokens");
+    $("cached-media-row").hidden = !cachedMedia || cachedMedia.k === "z";
+    $("cached-media").textContent = cachedMedia ? dump(cachedMedia) : "";
+    const vision = stages.find((s) => s[0] === "vision");
+    $("vision-row").hidden = !vision;
+    $("vision-time").textContent = vision ? vision[1] : "";
     $("usage").hidden = false;
     const warnings = $("warnings");
     warnings.replaceChildren(...((get(result.response, "warnings") || {v: []}).v || []).map((w) =>
@@ -805,9 +944,16 @@
   }
 
   function remember(result) {
-    const state = get(parseJson(result.request), "state");
+    const state = get(result.node, "state");
+    let request = result.request;
+    let dropped = 0;
+    if (request.length > HISTORY_REQUEST_MAX && get(result.node, "images")) {  // local storage is small
+      dropped = get(result.node, "images").v.length;
+      request = dump(obj(result.node.e.filter((e) => e[0] !== "images")));
+    }
     const items = history();
-    items.unshift({at: result.at, model: result.model, request: result.request, summary: summarize(result),
+    items.unshift({at: result.at, model: result.model, request, summary: summarize(result),
+      pictures: result.pictures || 0, dropped,
       state: (state && state.k === "s" ? state.v : dump(state || {k: "z"})).slice(0, 80)});
     try { localStorage.setItem(HISTORY_KEY, JSON.stringify(items.slice(0, HISTORY_MAX))); } catch (e) { /* full: keep the page working */ }
     renderHistory();
@@ -817,12 +963,13 @@
     const list = $("history");
     list.replaceChildren(...history().map((item, i) => el("li", {},
       el("span", {class: "when", text: new Date(item.at).toLocaleTimeString()}), " ",
-      el("span", {class: "what", text: item.state + " → " + item.summary +
+      el("span", {class: "what", text: item.state + (item.pictures ? " [" + item.pictures +
+        (item.pictures === 1 ? " picture" : " pictures") + "]" : "") + " → " + item.summary +
         (models.length > 1 && item.model ? " (" + item.model + ")" : "")}), " ",
       el("button", {type: "button", text: "Load", "aria-label": "Load run " + (i + 1),
-        onclick: () => loadRequest(parseJson(item.request))}),
+        onclick: () => loadRequest(parseJson(item.request), item.dropped)}),
       el("button", {type: "button", text: "Run again", "aria-label": "Run again run " + (i + 1),
-        onclick: () => { loadRequest(parseJson(item.request)); decide(); }}))));
+        onclick: () => { loadRequest(parseJson(item.request), item.dropped); decide(); }}))));
   }
 
   function pinBaseline() {
@@ -857,7 +1004,9 @@
     if (kind === "curl") {
       out = "curl -s " + base + "/v1/systemone -H 'Content-Type: application/json' " +
         (keyed ? "-H \"Authorization: Bearer $CLEF_GGUF_API_KEY\" " : "") +
-        "-d '" + compact.replace(/'/g, "'\\''") + "'";
+        // pictures make a long body: from stdin (a here-document), not one argument (128 KiB at most)
+        (get(request, "images") ? "--data-binary @- <<'JSON'\n" + compact + "\nJSON\n"
+          : "-d '" + compact.replace(/'/g, "'\\''") + "'");
     } else if (kind === "python") {
       // the base (the entry that is no fine-tune), with the chosen fine-tune's directory
       const base = modelList.find((m) => !get(m, "fine_tune"));
@@ -869,7 +1018,9 @@
         "with Clef.load(" + JSON.stringify(name) + adapters + ") as clef:  # a model directory or catalog name\n" +
         "    print(json.dumps(clef.decide(request), indent=2))\n";
     } else if (kind === "avrik") {
-      const extras = ["model", "options"].filter((k) => get(request, k)).map((k) => ", " + k + '=request["' + k + '"]').join("");
+      const extras = ["model", "options"].filter((k) => get(request, k)).map((k) => ", " + k + '=request["' + k + '"]').join("") +
+        // avrik-sdk takes pictures as image() objects: {"data": base64, "media_type"}
+        (get(request, "images") ? ', images=[{"data": u.split(",", 1)[1], "media_type": u[5:u.index(";")]} for u in request["images"]]' : "");
       out = "import json\n" + (keyed ? "import os\n" : "") + "\nfrom avrik_sdk import Client\n\n" + py +
         "with Client(" + JSON.stringify(base) + (keyed ? ', api_key=os.environ["CLEF_GGUF_API_KEY"]' : "") + ") as client:\n" +
         '    decision = client.decide(request["state"], request["questions"]' + extras + ")\n" +
@@ -937,6 +1088,29 @@
     $("questions-view-form").addEventListener("change", showQuestionsForm);
     $("questions-json").addEventListener("input", readQuestionsJson);
     $("decide").addEventListener("click", decide);
+    $("images-input").addEventListener("change", (ev) => {
+      addPictures(ev.target.files).then(() => { ev.target.value = ""; });  // the same file may be picked again
+    });
+    const hasFiles = (ev) => !!ev.dataTransfer && Array.from(ev.dataTransfer.types || []).includes("Files");
+    document.addEventListener("dragover", (ev) => {
+      if (!hasFiles(ev)) return;
+      ev.preventDefault();
+      ev.dataTransfer.dropEffect = "copy";
+      document.body.classList.add("dragging");
+    });
+    document.addEventListener("dragleave", (ev) => { if (!ev.relatedTarget) document.body.classList.remove("dragging"); });
+    document.addEventListener("drop", (ev) => {
+      document.body.classList.remove("dragging");
+      if (!hasFiles(ev)) return;
+      ev.preventDefault();  // the browser would open the file instead
+      addPictures(ev.dataTransfer.files);
+    });
+    document.addEventListener("paste", (ev) => {  // a picture in the clipboard; text pastes as usual
+      const files = Array.from((ev.clipboardData && ev.clipboardData.files) || []);
+      if (!files.length) return;
+      ev.preventDefault();
+      addPictures(files);
+    });
     $("pin-baseline").addEventListener("click", pinBaseline);
     $("clear-baseline").addEventListener("click", dropBaseline);
     $("history-clear").addEventListener("click", () => { localStorage.removeItem(HISTORY_KEY); renderHistory(); });
