@@ -49,6 +49,7 @@ SLOW_MODULES = {
     "tests/runtime/test_finetune.py": "PEFT merges and transformers reference runs of fine-tunes",
     "tests/media/test_media_parity.py": "Cloudflare's reference with transformers' processor in a child process",
     "tests/media/test_processor.py": "transformers' processor in child processes",
+    "tests/media/test_video_files.py": "video files through transformers' processor and the reference (children)",
 }
 
 

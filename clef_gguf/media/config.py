@@ -36,7 +36,7 @@ _VIDEO_DEFAULTS: dict[str, Any] = {
     "size": {"shortest_edge": 128 * 32 * 32, "longest_edge": 32 * 32 * 768}, "patch_size": 16,
     "temporal_patch_size": 2, "merge_size": 2, "image_mean": (0.5, 0.5, 0.5), "image_std": (0.5, 0.5, 0.5),
     "rescale_factor": 1 / 255, "do_resize": True, "do_rescale": True, "do_normalize": True, "resample": 3,
-    "do_sample_frames": True,
+    "do_sample_frames": True, "fps": 2, "min_frames": 4, "max_frames": 768, "num_frames": None,
 }
 # Frame lists carry no timing; the processor then assumes 24 frames per second for the timestamps.
 FRAME_LIST_FPS = 24.0
@@ -59,6 +59,12 @@ class VisionSettings:
     do_normalize: bool
     resample: str
     do_sample_frames: bool = False
+    # Frame sampling of a video file (``Qwen3VLVideoProcessor.sample_frames``): ``fps`` frames per second
+    # clamped to [min_frames, max_frames], or exactly ``num_frames``; the two are exclusive there.
+    fps: float | None = None
+    min_frames: int = 4
+    max_frames: int = 768
+    num_frames: int | None = None
 
     @property
     def factor(self) -> int:
@@ -81,6 +87,8 @@ class MediaOptions:
     max_pixels: int | None = None
     do_sample_frames: bool | None = None
     fps: float | None = None
+    fps_null: bool = False  # "fps": null, which the reference needs to sample by num_frames alone
+    num_frames: int | None = None
 
 
 def _settings(raw: Mapping[str, Any], defaults: Mapping[str, Any], where: str) -> VisionSettings:
@@ -100,9 +108,21 @@ def _settings(raw: Mapping[str, Any], defaults: Mapping[str, Any], where: str) -
             image_std=tuple(float(x) for x in merged["image_std"]),
             rescale_factor=float(merged["rescale_factor"]), do_resize=bool(merged["do_resize"]),
             do_rescale=bool(merged["do_rescale"]), do_normalize=bool(merged["do_normalize"]),
-            resample=resample, do_sample_frames=bool(merged.get("do_sample_frames", False)))
+            resample=resample, do_sample_frames=bool(merged.get("do_sample_frames", False)),
+            **_sampling(raw, defaults))
     except (KeyError, TypeError, ValueError) as exc:
         raise errors.CorruptModel(f"unreadable {where}: {exc!r}") from None
+
+
+def _sampling(raw: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """The video processor's frame-sampling keys; a ``null`` in the file is None there (not the default)."""
+    if "fps" not in defaults:
+        return {}
+    fps = raw["fps"] if "fps" in raw else defaults["fps"]
+    num = raw.get("num_frames", defaults["num_frames"])
+    return {"fps": None if fps is None else float(fps), "num_frames": None if num is None else int(num),
+            "min_frames": int(raw.get("min_frames") or defaults["min_frames"]),
+            "max_frames": int(raw.get("max_frames") or defaults["max_frames"])}
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -134,9 +154,9 @@ def load_processor_config(directory: str | Path) -> ProcessorConfig | None:
                            video=_settings(video_raw or image_raw or {}, _VIDEO_DEFAULTS, VIDEO_PROCESSOR_FILE))
 
 
-def _positive_int(value: Any, field: str) -> int:
+def _positive_int(value: Any, field: str, unit: str = "pixels") -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise errors.InvalidValue("must be a positive integer (pixels)", field=field)
+        raise errors.InvalidValue(f"must be a positive integer ({unit})", field=field)
     return value
 
 
@@ -159,6 +179,10 @@ def parse_media_kwargs(media_kwargs: Mapping[str, Any] | None) -> tuple[MediaOpt
             if not isinstance(value, bool):
                 raise errors.InvalidValue("must be true or false", field=field)
             options = replace(options, do_sample_frames=value)
+        elif key == "num_frames":
+            options = replace(options, num_frames=_positive_int(value, field, "frames"))
+        elif key == "fps" and value is None:
+            options = replace(options, fps_null=True)
         elif key == "fps":
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                     or value <= 0:
@@ -188,4 +212,8 @@ def video_settings(config: ProcessorConfig, options: MediaOptions) -> VisionSett
         settings = replace(settings, shortest_edge=options.size[0], longest_edge=options.size[1])
     if options.do_sample_frames is not None:
         settings = replace(settings, do_sample_frames=options.do_sample_frames)
+    if options.fps is not None or options.fps_null:
+        settings = replace(settings, fps=options.fps)
+    if options.num_frames is not None:
+        settings = replace(settings, num_frames=options.num_frames)
     return settings

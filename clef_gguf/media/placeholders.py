@@ -16,6 +16,7 @@ import torch
 
 from clef_gguf.media.config import MediaOptions, ProcessorConfig, image_settings, video_settings
 from clef_gguf.media.processor import ImageBatch, VideoBatch, preprocess_images, preprocess_videos
+from clef_gguf.media.video_files import DecodedVideo
 
 VISION_START = "<|vision_start|>"
 VISION_END = "<|vision_end|>"
@@ -70,11 +71,11 @@ def expanded_text(pieces: Sequence[Piece]) -> str:
     return "".join(text * count for text, count in pieces)
 
 
-def prepare_media(images: Sequence[PIL.Image.Image], videos: Sequence[Sequence[PIL.Image.Image]],
+def prepare_media(images: Sequence[PIL.Image.Image], videos: Sequence[Sequence[PIL.Image.Image] | DecodedVideo],
                   config: ProcessorConfig, options: MediaOptions,
                   image_fields: Sequence[str] | None = None,
                   video_fields: Sequence[str] | None = None) -> PreparedMedia:
-    """Decoded images and frame lists -> the tower's inputs and the expanded prompt pieces."""
+    """Decoded images, frame lists and video files -> the tower's inputs and the expanded prompt pieces."""
     image_cfg, video_cfg = image_settings(config, options), video_settings(config, options)
     image_batch = preprocess_images(images, image_cfg, image_fields) if images else None
     video_batch = preprocess_videos(videos, video_cfg, video_fields) if videos else None

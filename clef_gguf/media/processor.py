@@ -21,6 +21,7 @@ from torch.nn.functional import interpolate
 
 from clef_gguf.core import errors
 from clef_gguf.media.config import FRAME_LIST_FPS, VisionSettings
+from clef_gguf.media.video_files import DecodedVideo
 
 MAX_ASPECT_RATIO = 200
 
@@ -165,10 +166,11 @@ def preprocess_images(images: Sequence[PIL.Image.Image], settings: VisionSetting
     return ImageBatch(pixel_values=torch.cat(chunks, dim=0), grid_thw=torch.tensor(grids, dtype=torch.long))
 
 
-def frame_timestamps(frame_count: int, temporal_patch_size: int, fps: float = FRAME_LIST_FPS) -> tuple[str, ...]:
+def frame_timestamps(indices: Sequence[int], temporal_patch_size: int, fps: float = FRAME_LIST_FPS) -> tuple[str, ...]:
     """``Qwen3VLProcessor``'s timestamps: per temporal group the mean time of its first and last frame
-    (the last frame index repeated to fill the group), written ``<{t:.1f} seconds>``."""
-    indices = list(range(frame_count))
+    (the last frame index repeated to fill the group), written ``<{t:.1f} seconds>``. Frame lists are
+    indices 0..n-1 at 24 fps; a video file, its sampled indices at its own rate."""
+    indices = list(indices)
     if len(indices) % temporal_patch_size:
         indices.extend(indices[-1] for _ in range(temporal_patch_size - len(indices) % temporal_patch_size))
     times = [index / fps for index in indices]
@@ -176,23 +178,31 @@ def frame_timestamps(frame_count: int, temporal_patch_size: int, fps: float = FR
     return tuple(f"<{time:.1f} seconds>" for time in groups)
 
 
-def preprocess_videos(videos: Sequence[Sequence[PIL.Image.Image]], settings: VisionSettings,
+def _frames(video: Sequence[PIL.Image.Image] | DecodedVideo, settings: VisionSettings,
+            field: str) -> tuple[torch.Tensor, Sequence[int], float]:
+    """One video's uint8 ``[F, 3, H, W]`` frames, the indices and frame rate its timestamps count."""
+    if isinstance(video, DecodedVideo):  # already sampled as the processor samples a file
+        return video.frames, video.indices, video.fps
+    if settings.do_sample_frames:
+        raise errors.InvalidMedia("frames given as images need media_kwargs.do_sample_frames = false",
+                                  field=field)
+    if not video:
+        raise errors.InvalidMedia("a video needs at least one frame", field=field)
+    tensors = [to_tensor(frame) for frame in video]
+    if any(t.shape != tensors[0].shape for t in tensors):
+        raise errors.InvalidMedia("the frames of a video must all have the same size", field=field)
+    return torch.stack(tensors, dim=0), range(len(tensors)), FRAME_LIST_FPS
+
+
+def preprocess_videos(videos: Sequence[Sequence[PIL.Image.Image] | DecodedVideo], settings: VisionSettings,
                       fields: Sequence[str] | None = None) -> VideoBatch:
-    """Frame lists -> ``pixel_values_videos``, ``video_grid_thw`` and timestamps equal to
-    ``Qwen3VLVideoProcessor`` + ``Qwen3VLProcessor`` with ``do_sample_frames=False`` (the reference refuses
-    to sample frames from a list of images)."""
+    """Frame lists and decoded video files -> ``pixel_values_videos``, ``video_grid_thw`` and timestamps
+    equal to ``Qwen3VLVideoProcessor`` + ``Qwen3VLProcessor``: frame lists need ``do_sample_frames=False``
+    (the reference refuses to sample frames from a list of images); files come sampled."""
     chunks, grids, stamps = [], [], []
-    for i, frames in enumerate(videos):
+    for i, video in enumerate(videos):
         field = fields[i] if fields is not None else f"videos.{i}"
-        if settings.do_sample_frames:
-            raise errors.InvalidMedia("frames given as images need media_kwargs.do_sample_frames = false",
-                                      field=field)
-        if not frames:
-            raise errors.InvalidMedia("a video needs at least one frame", field=field)
-        tensors = [to_tensor(frame) for frame in frames]
-        if any(t.shape != tensors[0].shape for t in tensors):
-            raise errors.InvalidMedia("the frames of a video must all have the same size", field=field)
-        pixels = torch.stack(tensors, dim=0)
+        pixels, indices, fps = _frames(video, settings, field)
         if settings.do_resize:
             height, width = smart_resize_video(pixels.shape[0], pixels.shape[-2], pixels.shape[-1],
                                                settings.temporal_patch_size, settings.factor,
@@ -202,6 +212,6 @@ def preprocess_videos(videos: Sequence[Sequence[PIL.Image.Image]], settings: Vis
         patches, gt = _patchify_video(pixels, settings)
         chunks.append(patches)
         grids.append([gt, pixels.shape[-2] // settings.patch_size, pixels.shape[-1] // settings.patch_size])
-        stamps.append(frame_timestamps(len(frames), settings.temporal_patch_size))
+        stamps.append(frame_timestamps(indices, settings.temporal_patch_size, fps))
     return VideoBatch(pixel_values=torch.cat(chunks, dim=0), grid_thw=torch.tensor(grids, dtype=torch.long),
                       timestamps=tuple(stamps))

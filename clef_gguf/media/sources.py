@@ -48,6 +48,12 @@ DEFAULT_MAX_IMAGES = 32
 URL_TIMEOUT_S = 10.0
 URL_MAX_BYTES = 32 * 1024 * 1024
 _CHUNK = 1 << 16
+# Video files: ten minutes, the processor's own max_frames, ~0.9 GB of RGB frames held at once, and a
+# decode deadline (FFmpeg decodes every frame up to the last one sampled).
+DEFAULT_MAX_VIDEO_SECONDS = 600.0
+DEFAULT_MAX_VIDEO_FRAMES = 768
+DEFAULT_MAX_VIDEO_PIXELS = 300_000_000
+VIDEO_DECODE_S = 60.0
 
 _BASE64 = re.compile(r"[A-Za-z0-9+/=\s]*")
 
@@ -60,7 +66,11 @@ class MediaPolicy:
     ``base_dir`` (the working directory when None). ``max_pixels`` is a budget per decoded picture,
     ``max_images`` the number of pictures (images and video frames together) one request may decode.
     ``file_roots``: when set, a local path is read only if its real path lies inside one of these
-    (resolved) directories and is a regular file; None reads any file (what the user named)."""
+    (resolved) directories and is a regular file; None reads any file (what the user named).
+    Video files (``video_files``): at most ``max_video_seconds`` long by their container,
+    ``max_video_frames`` frames kept per video after sampling, ``max_video_pixels`` decoded pixels
+    kept (frames x width x height, all the request's video files together), and ``video_decode_s``
+    seconds of decoding per video."""
 
     local_paths: bool = True
     base_dir: Path | None = None
@@ -70,6 +80,10 @@ class MediaPolicy:
     max_images: int = DEFAULT_MAX_IMAGES
     url_timeout_s: float = URL_TIMEOUT_S
     url_max_bytes: int = URL_MAX_BYTES
+    max_video_seconds: float = DEFAULT_MAX_VIDEO_SECONDS
+    max_video_frames: int = DEFAULT_MAX_VIDEO_FRAMES
+    max_video_pixels: int = DEFAULT_MAX_VIDEO_PIXELS
+    video_decode_s: float = VIDEO_DECODE_S
 
 
 # The server's default: inline images only.
@@ -126,25 +140,25 @@ def url_allowed(url: str, allow: Sequence[str]) -> bool:
 class _CheckedRedirects(urllib.request.HTTPRedirectHandler):
     """Follows redirects (as the reference's httpx does) only to allowed URLs."""
 
-    def __init__(self, allow: Sequence[str], field: str) -> None:
+    def __init__(self, allow: Sequence[str], field: str, kind: str = "image") -> None:
         super().__init__()
-        self.allow, self.field = tuple(allow), field
+        self.allow, self.field, self.kind = tuple(allow), field, kind
 
     def redirect_request(self, req: urllib.request.Request, fp: IO[bytes], code: int, msg: str,
                          headers: HTTPMessage, newurl: str) -> urllib.request.Request | None:
         if not url_allowed(newurl, self.allow):
-            raise errors.UnsupportedMediaSource(f"the image URL redirects to {newurl!r}, which is not allowed",
+            raise errors.UnsupportedMediaSource(f"the {self.kind} URL redirects to {newurl!r}, which is not allowed",
                                                 field=self.field)
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
-def fetch_url(url: str, policy: MediaPolicy, field: str) -> bytes:
+def fetch_url(url: str, policy: MediaPolicy, field: str, kind: str = "image") -> bytes:
     """The body of ``url``, at most ``policy.url_max_bytes``; refused unless the allow-list names it."""
     if not url_allowed(url, policy.url_allow):
         raise errors.UnsupportedMediaSource(
-            "fetching image URLs is not allowed here" if not policy.url_allow
-            else f"the image URL {url!r} is not on the allow-list", field=field)
-    opener = urllib.request.build_opener(_CheckedRedirects(policy.url_allow, field))
+            f"fetching {kind} URLs is not allowed here" if not policy.url_allow
+            else f"the {kind} URL {url!r} is not on the allow-list", field=field)
+    opener = urllib.request.build_opener(_CheckedRedirects(policy.url_allow, field, kind))
     # The timeout bounds each socket wait; the deadline bounds the whole body (a server sending a
     # byte every few seconds must not hold a request forever).
     deadline = time.monotonic() + policy.url_timeout_s
@@ -159,16 +173,16 @@ def fetch_url(url: str, policy: MediaPolicy, field: str) -> bytes:
                 chunks.append(chunk)
                 size += len(chunk)
                 if time.monotonic() > deadline:
-                    raise errors.InvalidMedia(f"fetching the image URL took over {policy.url_timeout_s:g} s",
+                    raise errors.InvalidMedia(f"fetching the {kind} URL took over {policy.url_timeout_s:g} s",
                                               field=field)
     except errors.ClefError:
         raise
     except urllib.error.HTTPError as exc:
-        raise errors.InvalidMedia(f"fetching the image URL failed: HTTP {exc.code}", field=field) from None
+        raise errors.InvalidMedia(f"fetching the {kind} URL failed: HTTP {exc.code}", field=field) from None
     except (OSError, ValueError) as exc:
-        raise errors.InvalidMedia(f"fetching the image URL failed: {exc}", field=field) from None
+        raise errors.InvalidMedia(f"fetching the {kind} URL failed: {exc}", field=field) from None
     if size > policy.url_max_bytes:
-        raise errors.MediaTooLarge(f"the image URL's body exceeds {policy.url_max_bytes} bytes", field=field)
+        raise errors.MediaTooLarge(f"the {kind} URL's body exceeds {policy.url_max_bytes} bytes", field=field)
     return b"".join(chunks)
 
 
@@ -224,11 +238,19 @@ def _read_file(path: Path, policy: MediaPolicy, field: str) -> bytes:
 
 
 def _read_allowed(path: Path, roots: tuple[Path, ...], field: str) -> bytes:
+    with _open_allowed(path, roots, field) as file:
+        try:
+            return file.read()
+        except OSError as exc:
+            raise errors.InvalidMedia(f"cannot read the image file: {exc.strerror}", field=field) from None
+
+
+def _open_allowed(path: Path, roots: tuple[Path, ...], field: str, kind: str = "image") -> IO[bytes]:
     """A file under the allow-list: its real path inside a root, a regular file. Opened without
     blocking (a FIFO would wait for a writer forever) and checked again on the open descriptor,
     so a path swapped between the check and the open is still refused."""
     outside = errors.UnsupportedMediaSource(
-        "this server reads image files only inside the directories given to --media-allow-files",
+        f"this server reads {kind} files only inside the directories given to --media-allow-files",
         field=field)
     real = os.path.realpath(path)
     if not _inside(real, roots):
@@ -236,9 +258,9 @@ def _read_allowed(path: Path, roots: tuple[Path, ...], field: str) -> bytes:
     try:
         fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
-        raise errors.InvalidMedia("no such image file", field=field) from None
+        raise errors.InvalidMedia(f"no such {kind} file", field=field) from None
     except OSError as exc:
-        raise errors.UnsupportedMediaSource(f"cannot open the image file: {exc.strerror}",
+        raise errors.UnsupportedMediaSource(f"cannot open the {kind} file: {exc.strerror}",
                                             field=field) from None
     try:
         opened = f"/proc/self/fd/{fd}"
@@ -247,13 +269,35 @@ def _read_allowed(path: Path, roots: tuple[Path, ...], field: str) -> bytes:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise errors.UnsupportedMediaSource("not a regular file (a directory, a device or a "
                                                 "pipe is never read)", field=field)
-        with open(fd, "rb", closefd=False) as file:
-            return file.read()
-    except OSError as exc:
-        raise errors.InvalidMedia(f"cannot read the image file: {exc.strerror}",
-                                  field=field) from None
-    finally:
+        return open(fd, "rb")  # the file object owns the descriptor from here
+    except BaseException:
         os.close(fd)
+        raise
+
+
+def open_source(source: str, policy: MediaPolicy, field: str, kind: str = "video") -> IO[bytes]:
+    """A video string opened for decoding, under the same policy as ``read_source``. The reference's
+    video loader takes an ``http(s)`` URL (its body, fetched whole) or an existing file, nothing inline;
+    a file is streamed, not read into memory (videos are large)."""
+    if not isinstance(source, str):
+        raise errors.InvalidMedia(f"a {kind} must be a string (a file path or URL) or a list of frames",
+                                  field=field)
+    if source.startswith(("http://", "https://")):
+        return io.BytesIO(fetch_url(source, policy, field, kind))
+    if source.startswith("data:") or not source:
+        raise errors.InvalidMedia(f"a {kind} file is read from a path or an http(s) URL (as the reference's "
+                                  "loader reads it), not inline; or send its frames as a list", field=field)
+    if not policy.local_paths:
+        raise errors.UnsupportedMediaSource(f"reading local {kind} files is not allowed here", field=field)
+    path = _local_file(source, policy)
+    if policy.file_roots is not None:
+        return _open_allowed(path, policy.file_roots, field, kind)
+    if not path.is_file():  # the user's own command: any regular file they name
+        raise errors.InvalidMedia(f"no such {kind} file", field=field)
+    try:
+        return path.open("rb")
+    except OSError as exc:
+        raise errors.InvalidMedia(f"cannot read the {kind} file: {exc.strerror}", field=field) from None
 
 
 def decode_image(data: bytes, policy: MediaPolicy, field: str) -> PIL.Image.Image:

@@ -117,8 +117,9 @@ class Base64Image(BaseModel):
 Images = Annotated[list[str | InlineImage | Base64Image] | None, Field(
     description="pictures: data: URIs or base64 (a path or URL only where the server was started with "
                 "--media-allow-files / --media-allow-url); refused by a model without a vision tower")]
-Videos = Annotated[list[list[list[str | InlineImage | Base64Image]]] | None, Field(
-    description="videos, each [[frame, ...]] (with media_kwargs.do_sample_frames false)")]
+Videos = Annotated[list[str | list[list[str | InlineImage | Base64Image]]] | None, Field(
+    description="videos, each a video file's path or URL (on a server only under --media-allow-files / "
+                "--media-allow-url) or [[frame, ...]] (with media_kwargs.do_sample_frames false)")]
 
 
 

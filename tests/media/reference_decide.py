@@ -18,6 +18,9 @@ def main() -> None:
     release, requests_path, out_path = sys.argv[1:]
     import torchvision  # the shim; a real torchvision here would mean the test is not isolated
     from clef_finetune._vendor import joint_schema_model as jsm
+    from reference_processor import use_pyav
+
+    use_pyav()
 
     assert "tv_shim" in torchvision.__file__, torchvision.__file__
     model, processor = jsm.load_release_model(release, device="cpu", dtype=torch.float32)

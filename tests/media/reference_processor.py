@@ -1,7 +1,7 @@
 """Child process: transformers' own Qwen3VLProcessor (torchvision backend through ``tv_shim``) as the reference.
 
 ``python reference_processor.py RELEASE CASES.json OUT.pt [SAVE_DIR]``: each case is
-``{"text": str, "images": [str] | null, "videos": [[[str]]] | null, "kwargs": {...}}`` and the output is a
+``{"text": str, "images": [str] | null, "videos": [[[str]]] | [path] | null, "kwargs": {...}}`` and the output is a
 list of dicts of tensors (``input_ids``, ``pixel_values``, ``image_grid_thw``, ...). Run with the shim on
 ``PYTHONPATH`` (``media_helpers.run_reference``); never imported by the test process. With SAVE_DIR the
 processor is also saved there (``save_pretrained``: the nested ``processor_config.json`` layout). With
@@ -39,8 +39,21 @@ def _real_torchvision(directory: str) -> None:
         source, shim_io.ImageReadMode.RGB, apply_exif_orientation)
 
 
+def use_pyav() -> None:
+    """Video files through transformers' PyAV loader: the processor asks for torchcodec, which does
+    not load beside the CPU torch here (its fallback, torchvision's decoder, is gone from 0.26 on);
+    ``load_video(..., backend="pyav")`` decodes the same FFmpeg frames."""
+    import transformers.video_processing_utils as vpu
+    from transformers import video_utils
+
+    load = video_utils.load_video
+    vpu.is_torchcodec_usable = lambda **_: True
+    vpu.load_video = lambda video, backend=None, **kwargs: load(video, backend="pyav", **kwargs)
+
+
 def main() -> None:
     release, cases_path, out_path, *save_dir = sys.argv[1:]
+    use_pyav()
     if os.environ.get("CLEF_REAL_TORCHVISION"):
         _real_torchvision(os.environ["CLEF_REAL_TORCHVISION"])
     else:
