@@ -2,9 +2,9 @@
 what a rerun with the same output finds already done.
 
 A record is ``{"id", "model", "answers", "usage", "audit"[, "warnings"][, "truncated"]}`` or
-``{"id", "error": {code, message, field}}``. ``usage.cached_tokens`` is left out: it says what
-the state cache held, so without it the output is a function of the input alone (a resumed run,
-a rerun and the Ray engine write the same bytes).
+``{"id", "error": {code, message, field}}``. ``usage.cached_tokens`` and ``usage.cached_media_tokens``
+are left out: they say what the caches held, so without them the output is a function of the input
+alone (a resumed run, a rerun and the Ray engine write the same bytes).
 
 JSONL output is the journal itself. Parquet cannot be appended to, so its records go to a JSONL
 journal beside it (``OUT.journal.jsonl``) and the table is rewritten from the previous table plus
@@ -29,11 +29,15 @@ JSON_COLUMNS = ("answers", "usage", "audit", "warnings", "error")
 PARQUET_WRITE_ROWS = 10_000
 
 
+# What a response's usage says of the caches, not of the request.
+CACHE_USAGE = ("cached_tokens", "cached_media_tokens")
+
+
 def output_record(record_id: str, response: dict) -> dict:
     out = {"id": record_id, **response}
     usage = out.get("usage")
-    if isinstance(usage, dict) and "cached_tokens" in usage:
-        out["usage"] = {k: v for k, v in usage.items() if k != "cached_tokens"}
+    if isinstance(usage, dict) and any(k in usage for k in CACHE_USAGE):
+        out["usage"] = {k: v for k, v in usage.items() if k not in CACHE_USAGE}
     return out
 
 

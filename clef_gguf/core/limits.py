@@ -6,3 +6,7 @@ model of ``pick`` all start from it. ``models/`` may import this module (tests/t
 """
 
 CONTEXT_WINDOW = 16384
+# The vision cache's default budget in MiB (``clef_gguf.vision.cache``), here so that the load settings
+# name it without importing torch: one Clef-Flash 448x448 picture is 196 tokens x 4096 floats (~3 MiB),
+# so about 80 such pictures.
+VISION_CACHE_MB = 256

@@ -27,6 +27,7 @@ from clef_gguf.core.argtypes import fraction, non_negative_int, positive_int
 from clef_gguf.evaluate import agreement, fit, metrics, predict
 from clef_gguf.formats import calibration as cal
 from clef_gguf.evaluate import records as labelled
+from clef_gguf.bulk.job import media_policy
 from clef_gguf.evaluate.cli import add_model_list, loader
 from clef_gguf.formats.files import sha256_file
 
@@ -126,14 +127,15 @@ def run_calibrate(args: argparse.Namespace) -> int:
         identity = {"format": "clef-gguf-calibrate/1", "data_sha256": sha256_file(data),
                     "records": len(records), "calibration": "none", "max_length": args.max_length,
                     "truncate_state": False}
-        model = args.model[0]
+        model, pictures = args.model[0], media_policy(data)
         run = predict.run_model(loader(args, model, None), records, work / "model", label=model,
-                                identity=identity | {"model": model}, with_binding=True)
+                                identity=identity | {"model": model}, with_binding=True,
+                                media_policy=pictures)
         ref = None
         if args.reference:
             ref = predict.run_model(loader(args, args.reference, None), records,
                                     work / "reference", label=args.reference,
-                                    identity=identity | {"model": args.reference})
+                                    identity=identity | {"model": args.reference}, media_policy=pictures)
         body = fitted(run, ref, held, args, data, len(records))
     calibration = cal.Calibration.build(body)
     calibration.write(target)

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from clef_gguf.bulk.job import media_policy
 from clef_gguf.core import errors
 from clef_gguf.core.argtypes import non_negative_int, positive_int
 from clef_gguf.runtime.flags import add_model_arguments, load_model
@@ -166,7 +167,8 @@ def run_eval(args: argparse.Namespace) -> int:
                     "calibration": str(Path(cal).resolve()) if cal else "none",
                     "truncate_state": args.truncate_state, "max_length": args.max_length}
         run = predict.run_model(loader(args, model, cal), records, directory, label=label,
-                                identity=identity, truncate_state=args.truncate_state)
+                                identity=identity, truncate_state=args.truncate_state,
+                                media_policy=media_policy(data))
         runs.append(run)
         model_metrics.append(write_model_files(run, len(records)))
     summaries = summarize_runs(runs, model_metrics, seed=args.seed, resamples=args.resamples)

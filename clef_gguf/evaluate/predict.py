@@ -5,7 +5,9 @@ soon as it is computed, so an interrupted eval continues where it stopped and a 
 not loaded again. ``run.json`` binds the directory to the model files, the data file and the
 calibration it was computed with: another model or data in the same directory is refused rather
 than mixed. The requests go through the engine (``clef_gguf.runtime.engine``): refused requests keep
-their error in place, requests about one state run together so it is decoded once.
+their error in place, requests about one state run together so it is decoded once. A record's images
+and videos are read under the run's ``MediaPolicy`` (the commands': any path or URL, a relative path
+from the data file's directory, as ``batch`` reads them); one that cannot be read fails its record.
 """
 
 from __future__ import annotations
@@ -98,13 +100,17 @@ def write_json(path: Path, obj: Any) -> None:
 
 def run_model(load: Callable[[], Clef | Models[Clef]], records: list[labelled.LabelledRecord], directory: Path,
               *, label: str, identity: dict[str, Any], truncate_state: bool = False,
-              window: int = engine.WINDOW, progress: bool = True, with_binding: bool = False) -> ModelRun:
+              window: int = engine.WINDOW, progress: bool = True, with_binding: bool = False,
+              media_policy: MediaPolicy | None = None) -> ModelRun:
     """Compute what ``directory`` does not hold yet, and return every record's line.
-    ``with_binding``: also hash what a calibration of this model binds to (``info["binding"]``)."""
+    ``with_binding``: also hash what a calibration of this model binds to (``info["binding"]``).
+    ``media_policy``: where the records' pictures may come from (None: the model's default)."""
     directory.mkdir(parents=True, exist_ok=True)
     stored = _check_identity(directory, identity)
     journal_path = directory / JOURNAL
-    done = {int(line["id"]) for line in read_journal(journal_path)}
+    # Earlier versions skipped records with pictures ({"skipped": "media"}): those are computed now,
+    # and their new line, written later, is the one read back (``_lines``).
+    done = {int(line["id"]) for line in read_journal(journal_path) if "skipped" not in line}
     todo = [r for r in records if r.index not in done]
     if not todo and "cost" in stored:  # finished earlier: no need to load the model again
         return ModelRun(label, directory, _lines(journal_path, records),
@@ -130,7 +136,8 @@ def run_model(load: Callable[[], Clef | Models[Clef]], records: list[labelled.La
             write_json(directory / RUN, identity | {"info": info})
             t1 = time.perf_counter()
             tokens = _compute(LogitsModel(clef), todo, Journal(journal_path), label=label,
-                              truncate_state=truncate_state, window=window, progress=progress)
+                              truncate_state=truncate_state, window=window, progress=progress,
+                              media_policy=media_policy)
             run_s = time.perf_counter() - t1
             paths = list(clef.base.files.paths().values())
             tower = clef.base.files.tower
@@ -141,13 +148,14 @@ def run_model(load: Callable[[], Clef | Models[Clef]], records: list[labelled.La
 
 
 def _lines(journal_path: Path, records: list[labelled.LabelledRecord]) -> list[dict[str, Any]]:
-    """The journal's lines of ``records``, in input order."""
+    """The journal's lines of ``records``, in input order (a record's last line where it has two)."""
     by_index = {int(line["id"]): line for line in read_journal(journal_path)}
     return [by_index[r.index] for r in records if r.index in by_index]
 
 
 def _compute(model: LogitsModel, todo: list[labelled.LabelledRecord], journal: Journal, *,
-             label: str, truncate_state: bool, window: int, progress: bool) -> int:
+             label: str, truncate_state: bool, window: int, progress: bool,
+             media_policy: MediaPolicy | None) -> int:
     from tqdm import tqdm
 
     bar = tqdm(total=len(todo), unit="rec", desc=f"eval {label}", file=sys.stderr,
@@ -155,7 +163,7 @@ def _compute(model: LogitsModel, todo: list[labelled.LabelledRecord], journal: J
     tokens = 0
     try:
         for chunk in engine.windows(todo, window):
-            for line in _window(model, chunk, truncate_state):
+            for line in _window(model, chunk, truncate_state, media_policy):
                 journal.write(line)
                 tokens += int(line.get("tokens", 0))
                 bar.update(1)
@@ -165,10 +173,10 @@ def _compute(model: LogitsModel, todo: list[labelled.LabelledRecord], journal: J
     return tokens
 
 
-def _window(model: LogitsModel, chunk: list[labelled.LabelledRecord],
-            truncate_state: bool) -> Iterable[dict[str, Any]]:
-    asked = {i: engine.prepare(model, r.request, truncate_state=truncate_state)
-             for i, r in enumerate(chunk) if r.error is None and r.skipped is None}
+def _window(model: LogitsModel, chunk: list[labelled.LabelledRecord], truncate_state: bool,
+            media_policy: MediaPolicy | None) -> Iterable[dict[str, Any]]:
+    asked = {i: engine.prepare(model, r.request, truncate_state=truncate_state, media_policy=media_policy)
+             for i, r in enumerate(chunk) if r.error is None}
     ready = {i: p for i, p in asked.items() if not isinstance(p, Exception)}
     outcomes: dict[int, engine.Outcome | None] = dict(zip(ready, engine.run(model, list(ready.values()))))
     for i, record in enumerate(chunk):
@@ -176,8 +184,6 @@ def _window(model: LogitsModel, chunk: list[labelled.LabelledRecord],
         outcome = asked.get(i) if i not in ready else outcomes.get(i)
         if record.error is not None:
             yield head | record.error
-        elif record.skipped is not None:
-            yield head | {"skipped": record.skipped}
         elif isinstance(outcome, tuple):
             yield head | _scored(ready[i], outcome, record.labels)
         else:  # refused by prepare, failed in the run, or (never without a stop) left unrun
@@ -236,8 +242,7 @@ def counts(lines: list[dict[str, Any]], records: int) -> dict[str, Any]:
         if "error" in line:
             code = str(line["error"].get("code"))
             failed[code] = failed.get(code, 0) + 1
-    return {"records": records, "answered": sum("questions" in line for line in lines),
-            "skipped_media": sum("skipped" in line for line in lines), "failed": failed,
+    return {"records": records, "answered": sum("questions" in line for line in lines), "failed": failed,
             "label_errors": sum(len(line.get("label_errors", [])) for line in lines),
             "questions": sum(len(line.get("questions", {})) for line in lines),
             "labelled_questions": sum(len(line.get("targets", {})) for line in lines)}

@@ -7,7 +7,8 @@ Labels follow clef-finetune's ``data.normalize_label``: noul ``true``/``false`` 
 A question without a label is asked but not scored. A record is named by its 0-based line number
 (resume) and reported under its ``id`` as written (None when it has none, as clef-finetune does).
 A line that cannot be read, or a label that is not one of its question's options, is reported and
-skipped: the other records, and the record's other labels, are still scored.
+skipped: the other records, and the record's other labels, are still scored. A record's ``images`` and
+``videos`` are asked like the rest of its request (paths relative to the data file: ``predict``).
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ from typing import Any
 from clef_gguf.core import errors
 from clef_gguf.pipeline.request import Question, Request, parse_json
 
-MEDIA_KEYS = ("images", "videos")
-
 
 @dataclass(frozen=True)
 class LabelledRecord:
@@ -30,7 +29,6 @@ class LabelledRecord:
     request: dict | None  # the SystemOne request: "id" and "labels" taken out
     labels: dict[str, Any] = field(default_factory=dict)
     error: dict | None = None  # {"error": {...}} when the line cannot be used at all
-    skipped: str | None = None  # why the record is not asked (media: not supported yet)
 
 
 def read(path: str | Path) -> Iterator[LabelledRecord]:
@@ -63,8 +61,6 @@ def _record(index: int, line: bytes) -> LabelledRecord:
         return LabelledRecord(index, record_id, None, error=errors.InvalidLabel(
             f"labels must be an object {{question_id: label}}, not {type(labels).__name__}",
             field="labels").to_dict())
-    if any(request.get(key) for key in MEDIA_KEYS):
-        return LabelledRecord(index, record_id, request, labels, skipped="media")
     return LabelledRecord(index, record_id, request, labels)
 
 

@@ -16,15 +16,16 @@ import PIL.Image
 import torch
 
 from clef_gguf.core import errors
-from clef_gguf.media.config import ProcessorConfig, parse_media_kwargs
+from clef_gguf.media.config import ProcessorConfig, VisionSettings, parse_media_kwargs, video_settings
 from clef_gguf.media.placeholders import IMAGE_PAD, VIDEO_PAD, PreparedMedia, prepare_media
 from clef_gguf.media.sources import MediaPolicy, check_count, load_images, load_video_frames
-from clef_gguf.pipeline.mediaprompt import MediaPrompt, Run, positions
+from clef_gguf.media.video_files import DecodedVideo, load_video
+from clef_gguf.pipeline.mediaprompt import MediaPrompt, MediaRows, Run, positions
 
 if TYPE_CHECKING:
     from clef_gguf.pipeline.encode import Encoded, Encoder
     from clef_gguf.pipeline.request import Request
-    from clef_gguf.vision.encoder import VisionTower
+    from clef_gguf.vision.cache import CachedVision
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ class MediaTokens:
     ids: tuple[int, ...]
     runs: tuple[Run, ...]  # relative to ``ids``
     digest: str
-    compute: Callable[[], np.ndarray]
+    compute: Callable[[], MediaRows]
     warnings: tuple[str, ...]
 
     def attach(self, encoded: Encoded) -> Encoded:
@@ -46,19 +47,37 @@ class MediaTokens:
         return replace(encoded, media=media)
 
 
-def video_frames(video: Any, field: str) -> list[str]:
-    """One entry of ``videos`` as the reference's processor reads it: ``[[frame, ...]]``, one list of
-    frames for this video's one placeholder. A flat ``[frame, ...]`` is several videos for one
-    placeholder there, which it refuses; so do we, saying what to send."""
+def video_frames(video: Any, field: str) -> list[str] | str:
+    """One entry of ``videos`` as the reference's processor reads it: a file path or URL (a string), or
+    ``[[frame, ...]]``, one list of frames for this video's one placeholder. A flat ``[frame, ...]`` is
+    several videos for one placeholder there, which it refuses; so do we, saying what to send."""
+    if isinstance(video, str):
+        return video
     if isinstance(video, list) and len(video) == 1 and isinstance(video[0], list) \
             and all(isinstance(f, str) for f in video[0]):
         return video[0]
     if isinstance(video, list) and video and all(isinstance(f, str) for f in video):
-        raise errors.InvalidMedia("a video is a list holding its list of frames: [[frame1, frame2, ...]] "
+        raise errors.InvalidMedia("a video is a file path or URL, or a list holding its list of frames: "
+                                  "[[frame1, frame2, ...]] "
                                   "(a flat list of frames is read as several videos for one placeholder)",
                                   field=field)
-    raise errors.InvalidMedia("a video is [[frame1, frame2, ...]]: one list of frames (image strings)",
-                              field=field)
+    raise errors.InvalidMedia("a video is a file path or URL, or [[frame1, frame2, ...]]: one list of frames "
+                              "(image strings)", field=field)
+
+
+def _load_videos(entries: list[list[str] | str], policy: MediaPolicy,
+                 settings: VisionSettings) -> list[list[PIL.Image.Image] | DecodedVideo]:
+    """Each video's frames: a file decoded and sampled as the processor does, or its frame images."""
+    videos: list[list[PIL.Image.Image] | DecodedVideo] = []
+    spent = 0  # decoded pixels of the request's video files so far (one budget for them all)
+    for i, entry in enumerate(entries):
+        if isinstance(entry, str):
+            video = load_video(entry, policy, settings, f"videos.{i}", spent)
+            spent += video.frames.numel() // 3
+            videos.append(video)
+        else:
+            videos.append(load_video_frames(entry, policy, f"videos.{i}.0"))
+    return videos
 
 
 def _tokenize(encoder: Encoder, text: str) -> tuple[int, ...]:
@@ -91,15 +110,16 @@ def _digest(prepared: PreparedMedia) -> str:
 
 
 def media_tokens(request: Request, config: ProcessorConfig, policy: MediaPolicy, encoder: Encoder,
-                 vision: Callable[[], VisionTower]) -> MediaTokens:
+                 vision: Callable[[], CachedVision]) -> MediaTokens:
     """The media of ``request`` for this model; every refusal names its field (``images.1``...).
-    ``vision`` gives the loaded vision tower (it loads on the first picture that needs it)."""
+    ``vision`` gives the loaded vision tower behind its cache (it loads on the first picture that needs it)."""
     options, warnings = parse_media_kwargs(request.media_kwargs)
     frames = [video_frames(v, f"videos.{i}") for i, v in enumerate(request.videos)]
-    check_count(len(request.images) + sum(len(f) for f in frames), policy,
+    # A video file counts as one item here; its frames have their own limits (MediaPolicy.max_video_*).
+    check_count(len(request.images) + sum(1 if isinstance(f, str) else len(f) for f in frames), policy,
                 "images" if request.images else "videos")
     images: list[PIL.Image.Image] = load_images(request.images, policy) if request.images else []
-    videos = [load_video_frames(f, policy, f"videos.{i}.0") for i, f in enumerate(frames)]
+    videos = _load_videos(frames, policy, video_settings(config, options))
     prepared = prepare_media(images, videos, config, options,
                              video_fields=[f"videos.{i}" for i in range(len(videos))])
     ids: list[int] = []
@@ -117,11 +137,12 @@ def media_tokens(request: Request, config: ProcessorConfig, policy: MediaPolicy,
         if ids[start:at] != [pad[0]] * (rows * cols):
             raise errors.InferenceError(f"the expanded media text does not hold {rows * cols} {text} in a row")
 
-    def compute() -> np.ndarray:
+    def compute() -> MediaRows:
         tower = vision()
         parts = [tower.embed(batch.pixel_values, batch.grid_thw)
                  for batch in (prepared.images, prepared.videos) if batch is not None]
-        return torch.cat(parts).numpy()
+        # cat copies: a cached entry is never handed out to be written to
+        return MediaRows(torch.cat([p.rows for p in parts]).numpy(), sum(p.cached_tokens for p in parts))
 
     return MediaTokens(tuple(ids), tuple(runs), _digest(prepared), compute, tuple(warnings))
 

@@ -6,6 +6,7 @@ them; the server passes a stricter ``MediaPolicy``)."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,10 +19,15 @@ if TYPE_CHECKING:
     from clef_gguf.formats.files import ModelFiles
     from clef_gguf.media.prompt import MediaTokens
     from clef_gguf.pipeline.request import Request
+    from clef_gguf.vision.cache import CachedVision, VisionCache
     from clef_gguf.vision.encoder import VisionTower
 
 # The Python API's and the CLI's sources: local paths (relative to the working directory) and URLs.
 ANY_SOURCE = MediaPolicy(local_paths=True, url_allow=("*",))
+
+
+def _unknown(_path: Path) -> str | None:
+    return None
 
 
 @dataclass
@@ -30,7 +36,10 @@ class MediaSupport:
     vision_dir: Path | None  # a directory with the vision tower's files
     why_not: str  # what is missing, when the model cannot see
     threads: int | None = None
+    cache: VisionCache | None = None  # the vision tower's outputs for pixels seen before (None: none kept)
+    known_sha256: Callable[[Path], str | None] = _unknown  # the model's recorded hashes (the cache keys)
     _tower: VisionTower | None = field(default=None, repr=False)
+    _cached: CachedVision | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @classmethod
@@ -38,9 +47,11 @@ class MediaSupport:
         return cls(None, None, why)
 
     @classmethod
-    def of(cls, found: ModelFiles, backend: str, *, threads: int | None = None) -> MediaSupport:
+    def of(cls, found: ModelFiles, backend: str, *, threads: int | None = None,
+           cache: VisionCache | None = None) -> MediaSupport:
         """The media support of a model: a vision tower (``vision_config.json`` + ``vision.safetensors``,
-        written by ``convert`` beside the tower or by ``pull`` into ``found.vision``) and processor settings."""
+        written by ``convert`` beside the tower or by ``pull`` into ``found.vision``) and processor settings;
+        ``cache``: where its outputs are kept for pixels seen again."""
         from clef_gguf.formats.files import VISION_CONFIG
 
         if backend == "nvfp4":  # a checkpoint keeps the release's vision tensors as stored
@@ -57,7 +68,7 @@ class MediaSupport:
         processor = load_processor_config(directory)
         if processor is None:
             return cls.none(f"{directory} has no processor settings (preprocessor_config.json)")
-        return cls(processor, directory, "", threads)
+        return cls(processor, directory, "", threads, cache, found.known_sha256)
 
     @property
     def available(self) -> bool:
@@ -76,6 +87,17 @@ class MediaSupport:
                 self._tower = VisionTower.load(self.vision_dir, threads=self.threads)
             return self._tower
 
+    def cached_vision(self) -> CachedVision:
+        """The vision tower behind the cache (a cache of 0 bytes when none was given), made once."""
+        from clef_gguf.vision.cache import CachedVision, VisionCache, weights_identity
+
+        tower = self.vision()
+        with self._lock:
+            if self._cached is None:
+                cache = self.cache if self.cache is not None else VisionCache(0)
+                self._cached = CachedVision(tower, cache, weights_identity(tower.files, self.known_sha256))
+            return self._cached
+
     def tokens(self, request: Request, encoder: Encoder, policy: MediaPolicy | None) -> MediaTokens:
         """The media of ``request`` (refused, naming the field, when this model cannot see)."""
         from clef_gguf.media.prompt import media_tokens, unsupported
@@ -83,7 +105,7 @@ class MediaSupport:
         if not self.available or self.processor is None:
             raise unsupported(request, self.why_not)
         return media_tokens(request, self.processor, ANY_SOURCE if policy is None else policy, encoder,
-                            self.vision)
+                            self.cached_vision)
 
 
 def warnings(media: MediaTokens) -> tuple[dict, ...]:

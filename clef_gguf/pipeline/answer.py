@@ -108,13 +108,20 @@ def audit(provenance: Provenance | None, info: Mapping[str, Any] | None = None, 
 
 
 def envelope(request: Request, probs: list[np.ndarray], n_tokens: int, provenance: Provenance,
-             *, truncated: bool, option_token_ids: np.ndarray, cached_tokens: int = 0) -> dict:
+             *, truncated: bool, option_token_ids: np.ndarray, cached_tokens: int = 0,
+             cached_media_tokens: int = 0) -> dict:
+    """``cached_media_tokens``: the prompt's image and video tokens the vision tower did not run for;
+    named in ``usage`` only when there are some (as ``truncated``), so that every answer computed
+    afresh, and every text answer, has the reference's shape."""
     answers = {q.id: answer(q, p) for q, p in zip(request.questions, probs)}
+    # cached_tokens: prompt tokens restored from the state cache instead of decoded
+    usage = {"input_tokens": n_tokens, "output_tokens": 0, "cached_tokens": cached_tokens}
+    if cached_media_tokens:
+        usage["cached_media_tokens"] = cached_media_tokens
     response: dict[str, Any] = {
         "model": request.model if request.model is not None else provenance.model_name,
         "answers": answers,
-        # cached_tokens: prompt tokens restored from the state cache instead of decoded
-        "usage": {"input_tokens": n_tokens, "output_tokens": 0, "cached_tokens": cached_tokens},
+        "usage": usage,
         "audit": audit(provenance, allowed_token_set_hash=[allowed_token_hash(option_token_ids)],
                        input_tokens=[n_tokens]),
     }

@@ -10,6 +10,7 @@ position then advances by the run's extent, max(h, w), not by its token count.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -49,6 +50,14 @@ def positions(n_tokens: int, runs: Sequence[Run]) -> np.ndarray:
     return out
 
 
+@dataclass(frozen=True)
+class MediaRows:
+    """The embeddings of a prompt's runs, and how many of them the vision cache held."""
+
+    rows: np.ndarray  # float32 [sum of run lengths, n_embd], runs in order
+    cached_tokens: int  # rows taken from the vision cache instead of computed
+
+
 @dataclass
 class MediaPrompt:
     """The media of one encoded prompt. ``embed()`` runs the vision tower on first use only, so a
@@ -57,13 +66,29 @@ class MediaPrompt:
     runs: tuple[Run, ...]
     positions: np.ndarray  # int32 [3, T]
     digest: str  # sha256 of the media's pixels, grids and processing: part of the cache keys
-    compute: Callable[[], np.ndarray]  # -> float32 [sum of run lengths, n_embd], runs in order
-    _rows: np.ndarray | None = field(default=None, repr=False)
+    compute: Callable[[], MediaRows]
+    _done: MediaRows | None = field(default=None, repr=False)
+    # ms this prompt spent in the vision tower (or its cache): 0 until embed() runs, and when the
+    # state cache held the prompt's media. Part of the tower's time; reported on its own too.
+    vision_ms: float = 0.0
 
     def embed(self) -> np.ndarray:
-        if self._rows is None:
-            self._rows = self.compute()
-        return self._rows
+        if self._done is None:
+            started = time.perf_counter()
+            self._done = self.compute()
+            self.vision_ms = round((time.perf_counter() - started) * 1e3, 3)
+        return self._done.rows
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(run.n_tokens for run in self.runs)
+
+    @property
+    def cached_tokens(self) -> int:
+        """Media tokens whose embeddings this prompt did not compute, once the tower has run: all of
+        them when the decode never needed them (their state restored from the state cache), else
+        those the vision cache held (``usage.cached_media_tokens`` when not 0)."""
+        return self.n_tokens if self._done is None else self._done.cached_tokens
 
     def pieces(self, begin: int, end: int) -> list[tuple[int, int, int | None]]:
         """``[begin, end)`` split at the runs: ``(start, stop, offset)`` where ``offset`` is the

@@ -27,6 +27,9 @@ from clef_gguf.runtime import backends, finetunes
 from clef_gguf.runtime.registry import M, Models
 from clef_gguf.runtime.settings import LoadSettings
 from clef_gguf.tower.cache import StateCache
+from clef_gguf.vision.cache import VisionCache
+
+MiB = 1 << 20
 
 log = logging.getLogger("clef_gguf")
 
@@ -109,13 +112,15 @@ def load(settings: LoadSettings, make: Callable[..., M]) -> Models[M]:
                 "max_length": settings.max_length, "n_embd": tower.n_embd, "lexical_rows": lexical.type_name,
                 "lm_head_avoided": tower.uses_nextn, "gpu_layers": tower.gpu_layers,
                 "threads": tower.threads, "head_threads": torch.get_num_threads(), "strict": settings.strict,
-                "state_cache_mb": settings.state_cache_mb, "calibration_version": provenance.calibration_version}
+                "state_cache_mb": settings.state_cache_mb, "vision_cache_mb": settings.vision_cache_mb,
+                "calibration_version": provenance.calibration_version}
         info |= tower.details()  # the backend's own facts (nvfp4: kernel, device)
         log.info("loaded %s (%s, n_embd %d) on %s, head scalars %s", found.tower.name, opened.quant,
                  tower.n_embd, "the GPU" if tower.gpu_layers else "the CPU", head_scalars(joint))
-        media = media_support.MediaSupport.of(found, opened.backend, threads=tower.threads)
+        media = media_support.MediaSupport.of(found, opened.backend, threads=tower.threads,
+                                              cache=VisionCache(int(settings.vision_cache_mb * MiB)))
         base = make(found, tower, lexical, joint, encoder, provenance, info | {"vision": media.describe()},
-                    strict=settings.strict, state_cache=StateCache(int(settings.state_cache_mb * (1 << 20))),
+                    strict=settings.strict, state_cache=StateCache(int(settings.state_cache_mb * MiB)),
                     media=media, settings=settings)
         tunes, default = _fine_tunes(base, settings)
         if not cal.is_identity:  # the model that answers by default applies it, wherever it is held

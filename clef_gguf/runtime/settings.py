@@ -21,7 +21,7 @@ from pydantic import Field
 from clef_gguf.core import errors
 from clef_gguf.core import argtypes
 from clef_gguf.core.cpus import available_cpus
-from clef_gguf.core.limits import CONTEXT_WINDOW
+from clef_gguf.core.limits import CONTEXT_WINDOW, VISION_CACHE_MB
 from clef_gguf.formats.calibration import Calibration
 from clef_gguf.tower.cache import DEFAULT_MB
 
@@ -85,6 +85,11 @@ class LoadSettings(pydantic.BaseModel):
         "memory for reusing decoded states: another question set about a state seen before decodes "
         "only its questions, a repeated request skips the tower "
         f"(default {DEFAULT_MB} MiB; 0 turns it off)"))
+    vision_cache_mb: Annotated[float, pydantic.Strict(), Field(ge=0, lt=1 << 30),
+                               Flag(type=argtypes.megabytes)] = Field(default=VISION_CACHE_MB, description=(
+        "memory for reusing the vision tower's output: a picture seen before is not run through the "
+        "vision tower again, whatever state or questions come with it "
+        f"(default {VISION_CACHE_MB} MiB, ~80 Clef-Flash pictures of 448x448; 0 turns it off)"))
     strict: Annotated[bool, Flag(action="store_true")] = Field(default=False, description=(
         "refuse what the reference ignores: unknown keys (unknown_field), a \"model\" this process "
         "does not serve (unknown_model), and apply Jev's limits (1-64 questions, 2-255 choice "

@@ -39,13 +39,16 @@ def decision(prepared: Prepared, hidden: np.ndarray, cached: int, tower_ms: floa
     t3 = time.perf_counter()
     probs = answer.split_probabilities(logits, enc.option_counts, tuple(temperatures))
     response = answer.envelope(prepared.request, probs, enc.n_tokens, provenance, truncated=enc.truncated,
-                               option_token_ids=option_ids, cached_tokens=cached)
+                               option_token_ids=option_ids, cached_tokens=cached,
+                               cached_media_tokens=0 if enc.media is None else enc.media.cached_tokens)
     t4 = time.perf_counter()
 
     def ms(a: float, b: float) -> float:
         return round((b - a) * 1e3, 3)
 
+    # "vision" (pictures only) is the part of "tower" spent in the vision tower or its cache.
+    vision = {} if enc.media is None else {"vision": enc.media.vision_ms}
     return answer.Decision(response, {
-        "encode": round(prepared.encode_ms, 3), "tower": round(tower_ms, 3), "lexical": ms(t1, t2),
-        "head": ms(t2, t3), "answer": ms(t3, t4),
+        "encode": round(prepared.encode_ms, 3), **vision, "tower": round(tower_ms, 3),
+        "lexical": ms(t1, t2), "head": ms(t2, t3), "answer": ms(t3, t4),
         "total": round(prepared.encode_ms + tower_ms + (t4 - t1) * 1e3, 3), "tokens": enc.n_tokens})

@@ -148,6 +148,9 @@ class BatchUsage(BaseModel):
 class Usage(BatchUsage):
     cached_tokens: int = Field(description="prompt tokens restored from the state cache instead "
                                            "of decoded")
+    cached_media_tokens: int | None = Field(None, ge=1, description=(
+        "image and video tokens the vision tower did not run for (restored with a cached state, or "
+        "from the vision cache); only when there are some"))
 
 
 class Audit(BaseModel):

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import httpx
 
+from clef_gguf.bulk.output import CACHE_USAGE
 from clef_gguf.core.argtypes import megabytes, positive_int
 from clef_gguf.core.errors import ClefError
 from clef_gguf.server.http import free_port
@@ -51,10 +52,11 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def answer_bytes(body: bytes) -> bytes:
-    """A response without ``usage.cached_tokens``: the one field that depends on what was served
-    before (the state cache), not on the request."""
+    """A response without ``usage.cached_tokens`` (and ``cached_media_tokens``): the fields that
+    depend on what was served before (the caches), not on the request."""
     obj = json.loads(body)
-    obj.get("usage", {}).pop("cached_tokens", None)
+    for key in CACHE_USAGE:
+        obj.get("usage", {}).pop(key, None)
     return json.dumps(obj, sort_keys=True).encode()
 
 

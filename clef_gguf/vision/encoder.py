@@ -20,8 +20,10 @@ class VisionTower:
     """``embed(pixel_values, grid_thw) -> [tokens, out_hidden_size]`` float32, the embeddings that replace
     the ``<|image_pad|>``/``<|video_pad|>`` ids, in their order. Owns its module and its thread count."""
 
-    def __init__(self, model: VisionModel, *, source: Path, threads: int | None = None) -> None:
-        self.model, self.source, self.threads = model, source, threads
+    def __init__(self, model: VisionModel, *, source: Path, threads: int | None = None,
+                 files: tuple[Path, ...] = ()) -> None:
+        """``files``: the weight files the tensors were read from (what the vision cache's keys name)."""
+        self.model, self.source, self.threads, self.files = model, source, threads, files
 
     @classmethod
     def load(cls, source: Source, dtype: torch.dtype = torch.float32, threads: int | None = None) -> VisionTower:
@@ -38,7 +40,8 @@ class VisionTower:
             where = Path(source)
             config, sources = load.sources(where)
         model = load.build(config, load.read_tensors(sources, config), dtype)
-        return cls(model, source=where, threads=threads)
+        files = tuple(sorted({path for path, _ in sources.values()}))
+        return cls(model, source=where, threads=threads, files=files)
 
     @property
     def config(self) -> VisionConfig:

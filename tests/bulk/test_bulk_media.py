@@ -30,9 +30,11 @@ def clef(tiny_model_dir):
 
 
 def decided(clef: Clef, record_id: str, request: dict) -> dict:
-    """The batch output line of a request: its id, then the response less ``usage.cached_tokens``."""
+    """The batch output line of a request: its id, then the response less what its usage says of the
+    caches (``cached_tokens``, and ``cached_media_tokens`` with pictures)."""
     response = clef.decide(request)
     response["usage"].pop("cached_tokens", None)
+    response["usage"].pop("cached_media_tokens", None)
     return {"id": record_id, **response}
 
 

@@ -112,15 +112,16 @@ def test_bad_records_and_labels_are_reported_and_the_rest_scored(tiny_model_dir,
         json.dumps(good | {"id": "ok", "labels": {"urgent": "true", "route": "billing", "severity": "2"}}),
         "{not json",
         json.dumps(good | {"id": "bad-labels", "labels": {"route": "marketing", "nope": True, "urgent": False}}),
-        json.dumps(good | {"id": "media", "images": ["x.png"], "labels": {"urgent": True}}),
+        json.dumps(good | {"id": "media", "images": ["x.png"], "labels": {"urgent": True}}),  # no such file
         json.dumps(good | {"id": "not-object", "labels": "true"}),
         json.dumps({"id": "no-questions", "state": 1, "questions": {}, "labels": {}}),
         json.dumps(good | {"id": "unlabelled"})]) + "\n")
     out = tmp_path / "eval"
     assert main(["eval", "-m", str(tiny_model_dir), "-d", str(src), "-o", str(out), "--threads", "1"]) == 0
     metrics = json.loads((out / "metrics.json").read_text())
-    assert metrics["records"] == {"records": 7, "answered": 3, "skipped_media": 1,
-                                  "failed": {"invalid_json": 1, "invalid_label": 1, "no_questions": 1},
+    assert metrics["records"] == {"records": 7, "answered": 3,
+                                  "failed": {"invalid_json": 1, "invalid_label": 1, "invalid_media": 1,
+                                             "no_questions": 1},
                                   "label_errors": 2, "questions": 9, "labelled_questions": 4}
     rows = read_jsonl(out / "predictions.jsonl")
     assert [(r["record_id"], r["question_id"]) for r in rows] == [
@@ -128,7 +129,7 @@ def test_bad_records_and_labels_are_reported_and_the_rest_scored(tiny_model_dir,
     problems = read_jsonl(out / "errors.jsonl")
     assert {(p["line"], p["error"]["code"], p["error"]["field"]) for p in problems} == {
         (1, "invalid_json", None), (2, "invalid_label", "labels.route"), (2, "invalid_label", "labels.nope"),
-        (4, "invalid_label", "labels"), (5, "no_questions", "questions")}
+        (3, "invalid_media", "images.0"), (4, "invalid_label", "labels"), (5, "no_questions", "questions")}
 
 
 def test_refusals(tiny_model_dir_factory, data, tmp_path, capsys, monkeypatch):

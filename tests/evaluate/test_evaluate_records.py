@@ -32,7 +32,7 @@ def test_lines_ids_labels_media_and_unreadable(tmp_path):
     assert got[1].record_id is None and got[1].labels == {} and got[1].error is None
     assert got[2].error["error"]["code"] == "invalid_json"
     assert got[3].record_id == 7 and got[3].error["error"]["code"] == "invalid_label"
-    assert got[4].skipped == "media" and got[4].error is None
+    assert got[4].error is None and got[4].request["images"] == ["a.png"]  # asked like the rest
     assert got[5].error["error"]["code"] == "invalid_value"
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from clef_gguf.pipeline.mediaprompt import MediaPrompt, Run, positions
+from clef_gguf.pipeline.mediaprompt import MediaPrompt, MediaRows, Run, positions
 from clef_gguf.tower.cache import StateCache
 from clef_gguf.tower.llama_tower import Tower
 
@@ -45,7 +45,7 @@ def test_positions_are_the_references(tiny_hf_model, layout):
 
 def test_pieces_cut_a_range_at_the_runs():
     media = MediaPrompt((Run(4, 10, 2, 3), Run(12, 14, 1, 2)), positions(20, [Run(4, 10, 2, 3), Run(12, 14, 1, 2)]),
-                        "d", lambda: np.zeros((8, 2), np.float32))
+                        "d", lambda: MediaRows(np.zeros((8, 2), np.float32), 0))
     assert media.pieces(0, 20) == [(0, 4, None), (4, 10, 0), (10, 12, None), (12, 14, 6), (14, 20, None)]
     assert media.pieces(6, 13) == [(6, 10, 2), (10, 12, None), (12, 13, 6)]
     assert media.pieces(15, 18) == [(15, 18, None)]
@@ -63,9 +63,9 @@ def _prompt(tower: Tower, seed: int, runs: list[Run], n: int) -> tuple[np.ndarra
     rows = rng.standard_normal((sum(r.n_tokens for r in runs), tower.n_embd)).astype(np.float32) * 0.05
     calls: list[int] = []
 
-    def compute() -> np.ndarray:
+    def compute() -> MediaRows:
         calls.append(1)
-        return rows
+        return MediaRows(rows, 0)
 
     return ids, MediaPrompt(tuple(runs), positions(n, runs), f"seed{seed}", compute), calls
 
@@ -100,12 +100,13 @@ def test_media_states_are_reused_exactly_and_keyed_by_digest(tower):
     ids, media, calls = _prompt(tower, 1, runs, 120)
     cache = StateCache(64 << 20)
     first, _ = tower.forward(ids, 36, 30, cache, media)
-    assert len(calls) == 1
+    assert len(calls) == 1 and media.cached_tokens == 0  # computed: usage.cached_media_tokens 0
     other = ids.copy()
     other[70:] = (other[70:] + 1) % 400  # another question set about the same picture
     again = MediaPrompt(media.runs, positions(len(other), runs), media.digest, media.compute)
     hidden, cached = tower.forward(other, 36, 30, cache, again)
     assert cached == 66 and len(calls) == 1  # the state restored: the vision tower did not run again
+    assert again.cached_tokens == 12  # so every media token counts as cached
     assert np.array_equal(hidden, tower.forward(other, 36, 30, None, again)[0])
     # The same token ids with another picture: nothing of the first is reused.
     ids2, media2, calls2 = _prompt(tower, 2, runs, 120)

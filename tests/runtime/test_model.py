@@ -325,3 +325,21 @@ def test_run_many_matches_run_and_the_policy_packs_on_the_cpu(clef):
         clef.run_many(prepared, pack=0)
     with pytest.raises(errors.InvalidValue):
         list(clef.decide_many([REQUEST], pack=True))
+
+
+def test_a_pictures_vision_time_is_part_of_the_towers(clef, tmp_path):
+    """With a picture, ``vision`` is the part of ``tower`` spent in the vision tower: timed on the first
+    run, 0 when the state cache already held the prompt (its picture never re-encoded)."""
+    import base64
+    import io
+
+    import PIL.Image
+
+    buffer = io.BytesIO()
+    PIL.Image.new("RGB", (32, 32), (200, 30, 90)).save(buffer, "PNG")
+    request = {**REQUEST, "images": ["data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()]}
+    _, timings = clef.run(clef.prepare(request))
+    assert 0 < timings["vision"] <= timings["tower"]
+    assert abs(sum(timings[s] for s in ("encode", "tower", "lexical", "head", "answer")) - timings["total"]) < 0.05
+    _, again = clef.run(clef.prepare(request))
+    assert again["vision"] <= timings["vision"]

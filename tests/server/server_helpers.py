@@ -28,10 +28,10 @@ from clef_gguf.server.http import free_port
 
 
 def same(response) -> dict:
-    """A response as it must be whatever was served before: all but ``usage.cached_tokens``,
-    which says what the state cache held (a body, bytes or a parsed dict)."""
+    """A response as it must be whatever was served before: all but ``usage.cached_tokens`` (and
+    ``cached_media_tokens``), which say what the caches held (a body, bytes or a parsed dict)."""
     out = json.loads(response) if isinstance(response, (bytes, str)) else dict(response)
-    out["usage"] = {k: v for k, v in out["usage"].items() if k != "cached_tokens"}
+    out["usage"] = {k: v for k, v in out["usage"].items() if k not in ("cached_tokens", "cached_media_tokens")}
     return out
 
 REPO = Path(__file__).resolve().parents[2]

@@ -621,6 +621,9 @@ def test_pictures_picked_dropped_and_pasted_bars_equal_the_api(browser, server, 
     assert api["usage"]["input_tokens"] > text_only["usage"]["input_tokens"]  # the pictures reached it
     assert by_id(browser, "tokens").text == str(api["usage"]["input_tokens"])
     assert by_id(browser, "pictures-used").text.startswith("3 ")
+    # the vision tower's time, from the Server-Timing header's vision entry
+    assert by_id(browser, "vision-row").is_displayed()
+    assert by_id(browser, "vision-time").text.endswith(" ms")
     # asked again, the pictures' tokens come from the cache, as they did for the API's ask
     decide(browser)
     assert posted(browser) == [body]

@@ -1,0 +1,144 @@
+"""What the vision tower can reuse: its output for pixels it has embedded before, under a byte budget.
+
+The state cache (``clef_gguf.tower.cache``) helps only when a request's state and pictures both repeat:
+its keys are the ``[prefix][pictures][state]`` token ids and the pixels' digest. Another state about
+the same picture (or the same one after its entry was evicted) decodes that segment again, and its pad
+tokens need the picture's embeddings: this cache holds them, so the vision tower runs once per picture
+however many requests ask about it.
+
+A key names everything the output depends on: the processed pixel values and their grids (t, h, w),
+the engine and its dtype, and the vision weights' identity. An entry is the tower's output itself, so
+a hit gives the very rows a run would (answers byte-identical to a cold process's). The unit is one
+``VisionTower.embed`` call (a request's images, or its videos), as the tower is called: embedding each
+picture alone could round differently in the last bits from embedding them together.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from clef_gguf.core.limits import VISION_CACHE_MB as DEFAULT_MB
+from clef_gguf.vision.encoder import VisionTower
+
+ENGINE = "torch"  # the one vision engine shipped (docs/media.md: why not llama.cpp's mtmd)
+
+
+def weights_identity(files: Iterable[Path], known_sha256: Callable[[Path], str | None]) -> str:
+    """The vision weights' part of every key: each file's sha256 where the model's manifest recorded
+    it (``ModelFiles.known_sha256``; ``convert`` records ``vision.safetensors``), else its real path,
+    size and modification time. Hashing ~0.9 GB at load to key an in-memory cache would cost more than
+    it guards: the cache lives and dies with the process that loaded the tower."""
+    parts = []
+    for path in sorted(Path(p).resolve() for p in files):
+        known = known_sha256(path)
+        if known is not None:
+            parts.append(f"sha256:{known}")
+        else:
+            st = path.stat()
+            parts.append(f"file:{path}:{st.st_size}:{st.st_mtime_ns}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+class VisionCache:
+    """A byte-bounded LRU of vision outputs (float32 [tokens, out_hidden_size]); ``max_bytes=0``
+    keeps nothing (the tower runs for every picture). Thread-safe: a server's requests share it."""
+
+    def __init__(self, max_bytes: int = DEFAULT_MB << 20) -> None:
+        self.max_bytes = max(0, int(max_bytes))
+        self._entries: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: bytes) -> bool:
+        """Whether ``key`` is held, without counting a hit or refreshing it."""
+        with self._lock:
+            return key in self._entries
+
+    def get(self, key: bytes) -> torch.Tensor | None:
+        with self._lock:
+            found = self._entries.get(key)
+            if found is None:
+                self.misses += 1
+                return None
+            self._entries.move_to_end(key)
+            self.hits += 1
+            return found
+
+    def put(self, key: bytes, rows: torch.Tensor) -> bool:
+        """Keep ``rows`` if they fit the budget at all, evicting the least recently used."""
+        size = rows.nelement() * rows.element_size()
+        if size > self.max_bytes:
+            return False
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._bytes -= old.nelement() * old.element_size()
+            while self._entries and self._bytes + size > self.max_bytes:
+                _, evicted = self._entries.popitem(last=False)
+                self._bytes -= evicted.nelement() * evicted.element_size()
+            self._entries[key] = rows
+            self._bytes += size
+            return True
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._bytes = 0
+
+
+@dataclass(frozen=True)
+class Embedding:
+    """One ``embed`` call's output, and whether the cache held it (the tower did not run)."""
+
+    rows: torch.Tensor  # float32 [tokens, out_hidden_size]; a cached entry: never written to
+    cached: bool
+
+    @property
+    def cached_tokens(self) -> int:
+        return len(self.rows) if self.cached else 0
+
+
+class CachedVision:
+    """A loaded vision tower behind its cache: ``embed`` as ``VisionTower.embed``, the tower run only
+    for pixels the cache does not hold."""
+
+    def __init__(self, tower: VisionTower, cache: VisionCache, weights: str) -> None:
+        """``weights``: the tower's ``weights_identity``."""
+        self.tower, self.cache = tower, cache
+        self._tag = f"{ENGINE}:{tower.dtype}:{weights}:".encode()
+
+    def key(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> bytes:
+        digest = hashlib.sha256(self._tag)
+        grids = np.ascontiguousarray(torch.as_tensor(grid_thw).numpy(), dtype="<i8")
+        pixels = torch.as_tensor(pixel_values).contiguous()
+        digest.update(f"{list(grids.shape)}:{pixels.dtype}:{list(pixels.shape)}:".encode())
+        digest.update(grids.data)
+        digest.update(np.ascontiguousarray(pixels.numpy()).data)  # hashed in place, not copied
+        return digest.digest()
+
+    def embed(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> Embedding:
+        if self.cache.max_bytes == 0:  # off: not even the pixels' hash
+            return Embedding(self.tower.embed(pixel_values, grid_thw), cached=False)
+        key = self.key(pixel_values, grid_thw)
+        found = self.cache.get(key)
+        if found is not None:
+            return Embedding(found, cached=True)
+        rows = self.tower.embed(pixel_values, grid_thw)
+        self.cache.put(key, rows)
+        return Embedding(rows, cached=False)
