@@ -95,6 +95,20 @@ def _check_adapter_file(path: Path, name: str) -> None:
                                          f"{want!r}: not a LoRA adapter for a qwen35 tower", field="adapter")
 
 
+def check_fits(found: AdapterFiles, name: str, tower_file: str, *, n_embd: int, n_vocab: int,
+               n_layer: int) -> None:
+    """Refuse the fine-tune ``found`` for a base tower ``tower_file`` of these sizes when it was made
+    for another (architecture, width, vocabulary, depth), or its adapter file is no qwen35 LoRA.
+    Also the importance-matrix collector's check (``clef-gguf imatrix --adapter``)."""
+    expected = {"architecture": TOWER_ARCH, "n_embd": n_embd, "n_vocab": n_vocab, "n_layer": n_layer}
+    for key, value in expected.items():
+        if found.base.get(key) != value:
+            raise errors.AdapterMismatch(
+                f"fine-tune {name!r} was made for a base with {key} {found.base.get(key)!r}, but "
+                f"{tower_file} has {value!r}: it is for another model", field="adapter")
+    _check_adapter_file(found.adapter, name)
+
+
 def load(tower: LanguageTower, base: answer.Provenance, hidden_size: int, head_dtype: torch.dtype,
          name: str, found: AdapterFiles, *, scale: float = 1.0) -> FineTune:
     """The fine-tune ``found`` on the loaded base ``tower``: refused before anything runs when it
@@ -105,14 +119,8 @@ def load(tower: LanguageTower, base: answer.Provenance, hidden_size: int, head_d
     if not isinstance(tower, Tower):
         raise errors.InvalidSetting(f"fine-tune {name!r}: LoRA adapters run on the gguf backend "
                                     f"(llama.cpp), not on {base.backend}", field="adapter")
-    expected = {"architecture": TOWER_ARCH, "n_embd": tower.n_embd, "n_vocab": tower.n_vocab,
-                "n_layer": tower.n_layer}
-    for key, value in expected.items():
-        if found.base.get(key) != value:
-            raise errors.AdapterMismatch(
-                f"fine-tune {name!r} was made for a base with {key} {found.base.get(key)!r}, but "
-                f"{tower.path.name} has {value!r}: it is for another model", field="adapter")
-    _check_adapter_file(found.adapter, name)
+    check_fits(found, name, tower.path.name, n_embd=tower.n_embd, n_vocab=tower.n_vocab,
+               n_layer=tower.n_layer)
     # Hashed here, not taken from the manifest: these are the bytes that will run.
     adapter_sha, head_sha, config_sha = (sha256_file(p) for p in (found.adapter, found.head_weights,
                                                                     found.head_config))

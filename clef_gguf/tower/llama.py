@@ -232,12 +232,18 @@ class _Context:
     runs over other cells and its sums change, 0.09 max |dh| on the 110M model), ``n_batch``
     tokens per ubatch. It needs the nextn API (embeddings mode splits ubatches per sequence).
 
+    ``eval_callback``: llama.cpp's ``ggml_backend_sched_eval_callback``, shown every graph tensor
+    (the importance-matrix collector, ``convert/imatrix_collect.py``); the caller keeps it alive.
+
     ``attention`` sets the K/V cache type and flash attention; a saved sequence state carries both
     (the V layout and the cell type), so contexts that exchange states must share it."""
 
     def __init__(self, model: _Model, n_ctx: int, n_batch: int, threads: int, seqs: int = 1,
-                 attention: Attention = ATTENTION["default"]):
+                 attention: Attention = ATTENTION["default"], eval_callback: Any = None):
         params = ll.llama_context_default_params()
+        if eval_callback is not None:
+            params.cb_eval = eval_callback
+            params.op_offload = False  # the callback reads activations in host memory
         params.n_ctx = n_ctx
         params.n_batch = n_batch
         params.n_ubatch = n_batch  # fixed: GDN chunking makes results depend slightly on it
