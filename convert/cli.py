@@ -20,7 +20,7 @@ from pathlib import Path
 from clef_gguf.core.argtypes import positive_int
 from clef_gguf.core import errors
 from clef_gguf.formats import files
-from clef_gguf.convert import lora, quantize
+from clef_gguf.convert import keep_layers, lora, quantize
 from clef_gguf.convert.finetune_demo import build_finetune_checkpoint
 from clef_gguf.convert.release import convert_release, tower_name
 from clef_gguf.convert.tiny import PRESETS, build_release
@@ -55,6 +55,10 @@ def add_convert_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--token-embedding-type", metavar="GGML_TYPE",
                    help="force token_embd.weight to this tensor type")
     g.add_argument("--threads", type=positive_int, help="quantizer threads (default: all available)")
+    g.add_argument("--keep-layers", action="append", metavar="RANGE=TYPE",
+                   help="keep these decoder layers' weights at a wider tensor type than the quant's "
+                        "mix, e.g. 0-7=Q8_0, 0-3=f16, 10=Q6_K, 0-7,30-31=Q8_0 (repeatable); q8_0 and "
+                        "the llama.cpp quant types")
 
 
 def _summary(out: Path, outtype: str, seconds: float, **extra) -> str:
@@ -67,9 +71,10 @@ def run_convert(args: argparse.Namespace) -> int:
     if args.outtype.strip().lower() in NVFP4_SCHEMES:
         return _run_nvfp4(args, start)
     outtype = quantize.canonical_outtype(args.outtype)
-    options = {"imatrix": args.imatrix, "output_type": args.output_type,
-               "token_embedding_type": args.token_embedding_type, "threads": args.threads}
     src = Path(args.src)
+    options = {"imatrix": args.imatrix, "output_type": args.output_type,
+               "token_embedding_type": args.token_embedding_type, "threads": args.threads,
+               "keep_layers": keep_layers.resolve(args.keep_layers, outtype, src)}  # before any work
     extra = {}
     if (src / files.MANIFEST).is_file():  # a converted model directory: quantize its tower
         out = quantize.quantize_model(src, args.out, outtype, name=args.name, **options)
@@ -86,7 +91,8 @@ def _run_nvfp4(args: argparse.Namespace, start: float) -> int:
     scheme = args.outtype.strip().lower()
     given = [flag for flag, value in (("--imatrix", args.imatrix), ("--output-type", args.output_type),
                                       ("--token-embedding-type", args.token_embedding_type),
-                                      ("--threads", args.threads)) if value is not None]
+                                      ("--threads", args.threads),
+                                      ("--keep-layers", args.keep_layers)) if value is not None]
     if given:
         raise errors.ConversionError(f"{', '.join(given)} apply to llama.cpp quant types, not to {scheme}")
     out = quantize_release(args.src, args.out, scheme=scheme, name=args.name)

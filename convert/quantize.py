@@ -24,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from clef_gguf.convert import keep_layers as keep_layers_mod
 from clef_gguf.core.cpus import available_cpus
 from clef_gguf.core.errors import ConversionError
 
@@ -148,13 +149,15 @@ def _failure(outtype: str, proc: subprocess.CompletedProcess) -> ConversionError
 
 def quantize_file(src, dst, outtype: str, *, imatrix=None, output_type: str | None = None,
                   token_embedding_type: str | None = None, threads: int | None = None,
-                  timeout: float | None = None) -> dict:
+                  timeout: float | None = None, keep_layers=None) -> dict:
     """Quantize the f32/f16/bf16 tower GGUF ``src`` into ``dst``; returns a summary dict.
 
     ``imatrix``: None, a llama.cpp imatrix file, ``"uniform"`` or an ``ImportanceMatrix``.
     ``output_type`` / ``token_embedding_type``: force ``output.weight`` / ``token_embd.weight`` to a
     ggml type (llama-quantize's ``--output-tensor-type`` / ``--token-embedding-type``).
     ``timeout``: seconds before the child is killed (None: no limit; a 27B model takes a while).
+    ``keep_layers``: ``--keep-layers`` values (``["0-7=Q8_0"]``) or a ``KeepLayers``: those decoder
+    layers are written at the wider type (``convert.keep_layers``).
     """
     src, dst = Path(src), Path(dst)
     name = outtype.upper()
@@ -162,6 +165,7 @@ def quantize_file(src, dst, outtype: str, *, imatrix=None, output_type: str | No
         canonical_outtype(outtype)  # the "unknown outtype" message
         raise ConversionError(f"{outtype} is written by the converter, not quantized: use convert")
     source_type = _source_type(src)
+    keep = keep_layers_mod.resolve(keep_layers, name, src)
     forced = {"output": output_type, "token_embd": token_embedding_type}
     ids = {k: ggml_type(v) for k, v in forced.items()}
     bad = [f"{k} {v.upper()}" for k, v in forced.items() if v and v.upper() in GGML_NEEDS_IMATRIX]
@@ -174,7 +178,8 @@ def quantize_file(src, dst, outtype: str, *, imatrix=None, output_type: str | No
         im_path, im_meta = _resolve_imatrix(imatrix, src, workdir)
         spec = {"src": str(src), "dst": str(partial), "ftype": QUANT_TYPES[name],
                 "threads": _threads(threads), "output_type": ids["output"],
-                "token_embedding_type": ids["token_embd"], "imatrix": im_path, "imatrix_meta": im_meta}
+                "token_embedding_type": ids["token_embd"], "imatrix": im_path, "imatrix_meta": im_meta,
+                "keep_layers": {str(k): v for k, v in keep.layers.items()} if keep else None}
         spec_path = workdir / "spec.json"
         spec_path.write_text(json.dumps(spec))
         # The child imports us by name: give it the parent's import path (pytest rootdir, -e installs).
@@ -195,9 +200,11 @@ def quantize_file(src, dst, outtype: str, *, imatrix=None, output_type: str | No
     finally:
         partial.unlink(missing_ok=True)
         shutil.rmtree(workdir, ignore_errors=True)
+    kept = {"keep_layers": [dict(rule, tensors=keep_layers_mod.kept_tensors(keep, dst).get(
+        f"{rule['layers']}={rule['type']}", {})) for rule in keep.rules()]} if keep else {}
     return {"outtype": name, "source_type": source_type, "seconds": round(time.perf_counter() - start, 3),
             "imatrix": im_meta or None, **{f"{k}_type": v.upper() for k, v in forced.items() if v},
-            **tensor_types(dst)}
+            **kept, **tensor_types(dst)}
 
 
 def tensor_types(path) -> dict:
@@ -255,6 +262,7 @@ def _child(spec: dict) -> int:
     if spec["token_embedding_type"] is not None:
         p.token_embedding_type = spec["token_embedding_type"]
     keep: list[object] = []  # the arrays the C side points into must outlive the call
+    items: list[tuple[str, str | int]] = []  # kv_overrides: written into the output's metadata
     if spec["imatrix"]:
         m = im.read(spec["imatrix"])
         arr = (ll.llama_model_imatrix_data * (len(m.entries) + 1))()  # zeroed: the terminator
@@ -267,11 +275,29 @@ def _child(spec: dict) -> int:
         p.imatrix = arr
         # The same provenance keys llama-quantize writes (tools/quantize/quantize.cpp).
         meta = spec["imatrix_meta"]
-        kv = (ll.llama_model_kv_override * 5)()
-        items = [("quantize.imatrix.file", meta.get("file", "")),
-                 ("quantize.imatrix.dataset", meta.get("dataset", "")),
-                 ("quantize.imatrix.entries_count", int(meta.get("entries", len(m.entries)))),
-                 ("quantize.imatrix.chunks_count", int(meta.get("chunks", 0)))]
+        items += [("quantize.imatrix.file", meta.get("file", "")),
+                  ("quantize.imatrix.dataset", meta.get("dataset", "")),
+                  ("quantize.imatrix.entries_count", int(meta.get("entries", len(m.entries)))),
+                  ("quantize.imatrix.chunks_count", int(meta.get("chunks", 0)))]
+    if spec.get("keep_layers"):
+        kept = keep_layers_mod.KeepLayers({int(k): v for k, v in spec["keep_layers"].items()})
+        items.append((keep_layers_mod.GGUF_KEY, kept.label()))
+        planned = _dry_run(ll, spec, p)
+        if planned is None:
+            return 3
+        if not planned:  # a log format we do not know: say so rather than guess a mix
+            print("error: llama.cpp's dry run listed no tensors: cannot place --keep-layers", file=sys.stderr)
+            return 4
+        pairs = keep_layers_mod.overrides(kept, planned)
+        tt = (ll.llama_model_tensor_override * (len(pairs) + 1))()  # zeroed: the null terminator
+        for slot, (pattern, kind) in zip(tt, pairs):
+            encoded = pattern.encode()
+            keep.append(encoded)
+            slot.pattern, slot.type = encoded, ggml_type(kind)
+        keep.append(tt)
+        p.tt_overrides = tt
+    if items:
+        kv = (ll.llama_model_kv_override * (len(items) + 1))()
         for slot, (key, value) in zip(kv, items):
             slot.key = key.encode()
             if isinstance(value, int):
@@ -282,6 +308,32 @@ def _child(spec: dict) -> int:
         p.kv_overrides = kv
     rc = ll.llama_model_quantize(spec["src"].encode(), spec["dst"].encode(), ctypes.byref(p))
     return 0 if rc == 0 else 3
+
+
+def _dry_run(ll, spec: dict, p) -> dict[str, str] | None:
+    """What the plain quantization gives each tensor (None if the dry run failed): llama.cpp's dry
+    run (same parameters, no output file) logs it per tensor; the log still reaches stderr, where
+    the parent reads failures."""
+    import ctypes
+
+    from llama_cpp import _logger
+
+    log: list[str] = []
+
+    @ll.llama_log_callback
+    def collect(level, text, user_data):
+        chunk = text.decode("utf-8", "replace")
+        log.append(chunk)
+        sys.stderr.write(chunk)
+
+    ll.llama_log_set(collect, ctypes.c_void_p(0))
+    p.dry_run = True
+    try:
+        rc = ll.llama_model_quantize(spec["src"].encode(), spec["dst"].encode(), ctypes.byref(p))
+    finally:
+        p.dry_run = False
+        ll.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
+    return keep_layers_mod.planned_types("".join(log)) if rc == 0 else None
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from clef_gguf.media.config import IMAGE_PROCESSOR_FILE, PROCESSOR_FILE, VIDEO_PROCESSOR_FILE
 from clef_gguf.formats import files
+from clef_gguf.convert import keep_layers as keep_layers_mod
 from clef_gguf.convert import quantize
 from clef_gguf.convert import tensor_map as tm
 from clef_gguf.convert.hf_to_gguf import load_config, read_json, scan_checkpoint, write_tower
@@ -61,17 +62,20 @@ PROCESSOR_FILES = (PROCESSOR_FILE, IMAGE_PROCESSOR_FILE, VIDEO_PROCESSOR_FILE)
 
 def convert_release(src, out, *, outtype: str = "f32", name: str | None = None, imatrix=None,
                     output_type: str | None = None, token_embedding_type: str | None = None,
-                    threads: int | None = None) -> Path:
+                    threads: int | None = None, keep_layers=None) -> Path:
     """Convert the HF release in ``src`` into the clef-gguf model directory ``out``; returns ``out``.
 
     ``outtype`` is f32/f16/bf16/q8_0 (written here) or any published quant (``Q4_K_M``...; any
     case), which ``convert.quantize`` makes with llama.cpp's quantizer; the other keywords are
-    its options (importance matrix, forced output/token-embedding types, threads).
+    its options (importance matrix, forced output/token-embedding types, threads, ``keep_layers``).
+    q8_0 with ``keep_layers`` goes through llama.cpp's quantizer too: only it can keep some layers
+    wider (its Q8_0 is byte-identical to ours).
     """
     outtype = quantize.canonical_outtype(outtype)
     quant_options = {"imatrix": imatrix, "output_type": output_type,
                      "token_embedding_type": token_embedding_type, "threads": threads}
-    if outtype in tm.OUTTYPES and any(v is not None for v in quant_options.values()):
+    direct = outtype in tm.OUTTYPES and not keep_layers
+    if direct and any(v is not None for v in quant_options.values()):
         raise ConversionError(f"--imatrix/--output-type/--token-embedding-type/--threads apply to "
                               f"llama.cpp quant types, not to {outtype}")
     for value in (output_type, token_embedding_type):
@@ -79,6 +83,7 @@ def convert_release(src, out, *, outtype: str = "f32", name: str | None = None, 
     src, out = Path(src), Path(out)
     if not src.is_dir():
         raise ModelNotFound(f"source directory not found: {src}", field="src")
+    keep = keep_layers_mod.resolve(keep_layers, outtype, src)  # refused before any work
     _, text, _ = load_config(src)
     head_cfg_path = src / files.HEAD_CONFIG
     if head_cfg_path.is_file():  # fail before the slow part if the head belongs to another tower
@@ -95,10 +100,11 @@ def convert_release(src, out, *, outtype: str = "f32", name: str | None = None, 
     name = name or src.resolve().name
     tower = tower_name(outtype)
     with files.staged_directory(out) as stage:  # a failed conversion leaves no half directory
-        if outtype in tm.OUTTYPES:
+        if direct:
             summary = write_tower(src, stage / tower, outtype=outtype, name=name)
         else:
-            summary = write_quantized_tower(src, stage / tower, outtype, name=name, **quant_options)
+            summary = write_quantized_tower(src, stage / tower, outtype, name=name, keep_layers=keep,
+                                            **quant_options)
         for fname in (files.HEAD_WEIGHTS, files.HEAD_CONFIG, files.TOKENIZER):
             _copy(src / fname, stage / fname)
         for fname in PROCESSOR_FILES:  # the image and video processors' settings, where the release has them

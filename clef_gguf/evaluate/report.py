@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 MB = 1 << 20
+GIB = 1 << 30
 
 
 def _f(x: Any, digits: int = 4) -> str:
@@ -50,6 +51,15 @@ def agreement_cells(s: dict[str, Any]) -> list[str]:
     return [_f(a["top1"]), _f(a["mean_abs_dp"], 5), _f(a["max_abs_dp"], 4), _f(a["mean_kl"], 6)]
 
 
+def per_gib(s: dict[str, Any]) -> float | None:
+    """Top-1 agreement per GiB of tower: weighs a quant with layers kept wider (a few % more bytes)
+    against the plain quants around it; None for the reference."""
+    a = (s.get("agreement") or {}).get("overall")
+    if not a or not a.get("n") or not s["cost"]["tower_bytes"]:
+        return None
+    return a["top1"] / (s["cost"]["tower_bytes"] / GIB)
+
+
 def label_cells(s: dict[str, Any]) -> list[str]:
     m = s["metrics"].get("overall") or {}
     if not m:
@@ -65,15 +75,15 @@ def markdown(summaries: Sequence[dict[str, Any]], *, data: str, counts: dict[str
     labelled = any(s["metrics"].get("overall") for s in summaries)
     lines = [f"# clef-gguf eval: `{data}`", "",
              f"{counts['records']} records, {counts['answered']} answered, "
-             f"{counts['skipped_media']} skipped (images/videos: not supported yet), "
              f"{sum(counts['failed'].values())} failed, {counts['questions']} questions, "
              f"{counts['labelled_questions']} labelled ({counts['label_errors']} unusable labels; "
              "see errors.jsonl). Counts are the reference's.", ""]
     header = ["model", "quant", "tower MiB", "peak RSS MiB", "records/s", "tokens/s"]
     rows = [[s["label"], _f(s["info"].get("quant"))] + cost_cells(s) for s in summaries]
     if len(summaries) > 1:
-        header += ["top-1 agreement", "mean |Δp|", "max |Δp|", "mean KL"]
-        rows = [r + agreement_cells(s) for r, s in zip(rows, summaries)]
+        header += ["top-1 agreement", "mean |Δp|", "max |Δp|", "mean KL", "tower bytes", "top-1 per GiB"]
+        rows = [r + agreement_cells(s) + [f"{s['cost']['tower_bytes']:,}", _f(per_gib(s), 2)]
+                for r, s in zip(rows, summaries)]
     if labelled:
         header += ["accuracy [95% Wilson]", "Δ accuracy [95% bootstrap]", "NLL", "Δ NLL [95%]",
                    "ECE", "Brier"]
@@ -116,11 +126,13 @@ def _per_type(summaries: Sequence[dict[str, Any]]) -> list[str]:
 
 def console(summaries: Sequence[dict[str, Any]]) -> str:
     """A few columns that fit a terminal."""
-    lines = [f"{'model':<28} {'MiB':>8} {'rec/s':>8} {'top-1':>7} {'mean KL':>9} {'accuracy':>9} {'NLL':>8}"]
+    lines = [f"{'model':<28} {'MiB':>8} {'rec/s':>8} {'top-1':>7} {'mean KL':>9} {'accuracy':>9} {'NLL':>8}"
+             f" {'bytes':>13} {'top-1/GiB':>10}"]
     for s in summaries:
         a = ((s.get("agreement") or {}).get("overall")) or {}
         m = s["metrics"].get("overall") or {}
         lines.append(f"{s['label'][:28]:<28} {s['cost']['tower_bytes'] / MB:>8.1f} "
                      f"{_f(s['cost']['records_per_s'], 1):>8} {_f(a.get('top1'), 4):>7} "
-                     f"{_f(a.get('mean_kl'), 6):>9} {_f(m.get('accuracy'), 4):>9} {_f(m.get('nll'), 4):>8}")
+                     f"{_f(a.get('mean_kl'), 6):>9} {_f(m.get('accuracy'), 4):>9} {_f(m.get('nll'), 4):>8}"
+                     f" {s['cost']['tower_bytes']:>13,} {_f(per_gib(s), 2):>10}")
     return "\n".join(lines)

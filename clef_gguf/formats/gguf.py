@@ -110,6 +110,19 @@ def file_type_name(reader: gguf.GGUFReader) -> str:
     return name.replace("MOSTLY_", "").replace("ALL_", "").lower()
 
 
+# Written by `clef-gguf convert --keep-layers` (clef_gguf.convert.keep_layers): the decoder layers
+# kept at a wider type than the quant's mix, as "0-7=q8_0".
+KEEP_LAYERS_KEY = "clef_gguf.keep_layers"
+
+
+def precision_label(reader: gguf.GGUFReader) -> str:
+    """The audit's precision: ``file_type_name``, plus ``+keep[0-7=q8_0]`` for a tower whose
+    layers were kept wider (every other tower's precision stays its file type)."""
+    name = file_type_name(reader)
+    kept = field_value(reader, KEEP_LAYERS_KEY)
+    return f"{name}+keep[{kept}]" if isinstance(kept, str) and kept else name
+
+
 # ---------------------------------------------------------------- qwen35 header checks
 # qwen35 hyperparameters llama.cpp 0.3.36 reads but does not check against the tensors: a bad value
 # reaches a GGML_ASSERT (the process aborts) or a graph that never finishes. Its layer limit:

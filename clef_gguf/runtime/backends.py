@@ -83,7 +83,7 @@ class Opened:
 
 
 def open_gguf_tower(found: model_files.ModelFiles) -> Opened:
-    from clef_gguf.formats.gguf import check_header, field_value, file_type_name, open_gguf
+    from clef_gguf.formats.gguf import check_header, field_value, open_gguf, precision_label
     from clef_gguf.pipeline.lexical import LexicalRows
     from clef_gguf.tower.llama_tower import Tower
 
@@ -103,7 +103,7 @@ def open_gguf_tower(found: model_files.ModelFiles) -> Opened:
         return Tower.load(found.tower, n_ctx=max_length, threads=threads, gpu_layers=layers,
                           free_memory=device_free_memory)
 
-    return Opened("gguf", "GGUF", lexical, file_type_name(reader), load,
+    return Opened("gguf", "GGUF", lexical, precision_label(reader), load,
                   lambda: found.sha256_of(found.tower))
 
 

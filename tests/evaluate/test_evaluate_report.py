@@ -14,7 +14,7 @@ BINS = [{"lo": i / 10, "hi": (i + 1) / 10, "n": 2 if i in (4, 8) else 0,
          "confidence": 0.45 if i == 4 else 0.85 if i == 8 else None,
          "accuracy": 0.5 if i in (4, 8) else None} for i in range(10)]
 METRICS = {"overall": {"n": 4, "accuracy": 0.5, "nll": 0.9, "ece": 0.2, "brier": 0.6}, "reliability": BINS}
-COUNTS = {"records": 3, "answered": 2, "skipped_media": 1, "failed": {"invalid_json": 1}, "questions": 6,
+COUNTS = {"records": 3, "answered": 2, "failed": {"invalid_json": 1}, "questions": 6,
           "labelled_questions": 4, "label_errors": 0}
 
 
@@ -35,11 +35,24 @@ def summaries():
 def test_markdown_and_console():
     md = report.markdown(summaries(), data="d.jsonl", counts=COUNTS, seed=3)
     assert md.startswith("# clef-gguf eval: `d.jsonl`")
+    assert "3 records, 2 answered, 1 failed, 6 questions" in md and "skipped" not in md
     assert "| q4\\|0 | q4_0 | 1.0 | 400 | 12.5 | 9000 | 0.5000 |" in md  # a | in a label is escaped
     assert "+0.1000 [+0.0500, +0.2000] *" in md and "seed 3" in md and "- n = 4 < 300: noise" in md
     assert "| q4\\|0 | question a | 6 |" in md
     lines = report.console(summaries()).splitlines()
     assert lines[0].split()[:3] == ["model", "MiB", "rec/s"] and len(lines) == 3
+
+
+def test_size_columns_weigh_agreement_per_byte():
+    """Exact tower bytes and top-1 agreement per GiB: a quant with layers kept wider is a few % larger."""
+    md = report.markdown(summaries(), data="d.jsonl", counts=COUNTS, seed=3)
+    assert "| tower bytes | top-1 per GiB |" in md
+    assert "| 0.002000 | 1,048,576 | 512.00 |" in md  # top-1 0.5 over 1 MiB = 1/1024 GiB
+    assert "| (reference) | - | - | - | 3,145,728 | - |" in md
+    lines = report.console(summaries()).splitlines()
+    assert lines[0].split()[-2:] == ["bytes", "top-1/GiB"]
+    assert lines[1].split()[-2:] == ["3,145,728", "-"] and lines[2].split()[-2:] == ["1,048,576", "512.00"]
+    assert report.per_gib(summaries()[1]) == 512.0 and report.per_gib(summaries()[0]) is None
 
 
 def test_plots_are_pngs(tmp_path):
