@@ -11,7 +11,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import PIL.Image
 import torch
 
@@ -21,6 +20,7 @@ from clef_gguf.media.placeholders import IMAGE_PAD, VIDEO_PAD, PreparedMedia, pr
 from clef_gguf.media.sources import MediaPolicy, check_count, load_images, load_video_frames
 from clef_gguf.media.video_files import DecodedVideo, load_video
 from clef_gguf.pipeline.mediaprompt import MediaPrompt, MediaRows, Run, positions
+from clef_gguf.vision.cache import pixels_digest
 
 if TYPE_CHECKING:
     from clef_gguf.pipeline.encode import Encoded, Encoder
@@ -98,15 +98,16 @@ def _pad_runs(prepared: PreparedMedia, config: ProcessorConfig) -> list[tuple[st
     return out
 
 
-def _digest(prepared: PreparedMedia) -> str:
+def _batches(prepared: PreparedMedia) -> list[tuple[str, Any, bytes]]:
+    """(kind, batch, its pixels' digest) of the images and videos: each batch hashed once, here on a
+    tokenizer thread, for both the prompt caches' keys and the vision cache's."""
+    return [(kind, batch, pixels_digest(batch.pixel_values, batch.grid_thw))
+            for kind, batch in (("images", prepared.images), ("videos", prepared.videos)) if batch is not None]
+
+
+def _digest(batches: list[tuple[str, Any, bytes]]) -> str:
     """The pixels and grids the vision tower sees: equal digests, equal embeddings."""
-    digest = hashlib.sha256()
-    for kind, batch in (("images", prepared.images), ("videos", prepared.videos)):
-        if batch is not None:
-            digest.update(kind.encode())
-            digest.update(np.ascontiguousarray(batch.grid_thw.numpy(), dtype="<i8").tobytes())
-            digest.update(np.ascontiguousarray(batch.pixel_values.numpy(), dtype="<f4").tobytes())
-    return digest.hexdigest()
+    return hashlib.sha256(b"".join(kind.encode() + hashed for kind, _batch, hashed in batches)).hexdigest()
 
 
 def media_tokens(request: Request, config: ProcessorConfig, policy: MediaPolicy, encoder: Encoder,
@@ -137,14 +138,15 @@ def media_tokens(request: Request, config: ProcessorConfig, policy: MediaPolicy,
         if ids[start:at] != [pad[0]] * (rows * cols):
             raise errors.InferenceError(f"the expanded media text does not hold {rows * cols} {text} in a row")
 
+    batches = _batches(prepared)
+
     def compute() -> MediaRows:
         tower = vision()
-        parts = [tower.embed(batch.pixel_values, batch.grid_thw)
-                 for batch in (prepared.images, prepared.videos) if batch is not None]
+        parts = [tower.embed(batch.pixel_values, batch.grid_thw, hashed) for _kind, batch, hashed in batches]
         # cat copies: a cached entry is never handed out to be written to
         return MediaRows(torch.cat([p.rows for p in parts]).numpy(), sum(p.cached_tokens for p in parts))
 
-    return MediaTokens(tuple(ids), tuple(runs), _digest(prepared), compute, tuple(warnings))
+    return MediaTokens(tuple(ids), tuple(runs), _digest(batches), compute, tuple(warnings))
 
 
 def unsupported(request: Request, why: str) -> errors.Unsupported:

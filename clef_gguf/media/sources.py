@@ -95,7 +95,7 @@ def add_file_roots_argument(group: Any, refused: str) -> None:
     reads. ``refused``: what happens to a path without the flag, for the help."""
     group.add_argument("--media-allow-files", action="append", nargs="?", const=".", metavar="DIR",
                        default=None,
-                       help="let requests name images by local file path (relative to the working "
+                       help="let requests name images and video files by local path (relative to the working "
                             "directory), when the file (symlinks followed) lies inside DIR; "
                             f"repeatable; without DIR: the working directory. Default: {refused}")
 
@@ -186,7 +186,9 @@ def fetch_url(url: str, policy: MediaPolicy, field: str, kind: str = "image") ->
     return b"".join(chunks)
 
 
-def _local_file(source: str, policy: MediaPolicy) -> Path:
+def _local_file(source: str, policy: MediaPolicy, field: str) -> Path:
+    if "\x00" in source:  # no file system takes it (os.stat raises ValueError, not OSError)
+        raise errors.InvalidMedia("a file path cannot contain a NUL character", field=field)
     path = Path(source)
     if not path.is_absolute() and policy.base_dir is not None:
         path = policy.base_dir / path
@@ -209,12 +211,12 @@ def read_source(source: str, policy: MediaPolicy, field: str) -> bytes:
     if not inline and not _BASE64.fullmatch(source):
         if not policy.local_paths:
             raise errors.UnsupportedMediaSource("reading local image files is not allowed here", field=field)
-        path = _local_file(source, policy)
+        path = _local_file(source, policy, field)
         if policy.file_roots is None and not path.is_file():
             raise errors.InvalidMedia("no such image file, and not a data: URI or base64", field=field)
         return _read_file(path, policy, field)
     if not inline and policy.local_paths and len(source) < 4096:
-        path = _local_file(source, policy)
+        path = _local_file(source, policy, field)
         if path.is_file() and (policy.file_roots is None
                                or _inside(os.path.realpath(path), policy.file_roots)):
             return _read_file(path, policy, field)
@@ -234,39 +236,51 @@ def _read_file(path: Path, policy: MediaPolicy, field: str) -> bytes:
             return path.read_bytes()
         except OSError as exc:
             raise errors.InvalidMedia(f"cannot read the image file: {exc.strerror}", field=field) from None
-    return _read_allowed(path, policy.file_roots, field)
+    return _read_allowed(path, policy.file_roots, field, policy.url_max_bytes)
 
 
-def _read_allowed(path: Path, roots: tuple[Path, ...], field: str) -> bytes:
+def _read_allowed(path: Path, roots: tuple[Path, ...], field: str, max_bytes: int) -> bytes:
     with _open_allowed(path, roots, field) as file:
         try:
-            return file.read()
+            data = file.read(max_bytes + 1)  # bounded, as a URL's body and the request's are
         except OSError as exc:
             raise errors.InvalidMedia(f"cannot read the image file: {exc.strerror}", field=field) from None
+    if len(data) > max_bytes:
+        raise errors.MediaTooLarge(f"the image file exceeds {max_bytes} bytes", field=field)
+    return data
 
 
 def _open_allowed(path: Path, roots: tuple[Path, ...], field: str, kind: str = "image") -> IO[bytes]:
     """A file under the allow-list: its real path inside a root, a regular file. Opened without
-    blocking (a FIFO would wait for a writer forever) and checked again on the open descriptor,
-    so a path swapped between the check and the open is still refused."""
+    blocking (a FIFO would wait for a writer forever), then checked again after the open: the path
+    resolves inside a root still and names the very file the descriptor holds (device and inode),
+    so a directory swapped for a symlink between the check and the open is still refused (POSIX;
+    no /proc needed)."""
     outside = errors.UnsupportedMediaSource(
         f"this server reads {kind} files only inside the directories given to --media-allow-files",
         field=field)
     real = os.path.realpath(path)
     if not _inside(real, roots):
         raise outside
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0) \
+        | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
     try:
-        fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(real, flags)
     except FileNotFoundError:
         raise errors.InvalidMedia(f"no such {kind} file", field=field) from None
     except OSError as exc:
         raise errors.UnsupportedMediaSource(f"cannot open the {kind} file: {exc.strerror}",
                                             field=field) from None
     try:
-        opened = f"/proc/self/fd/{fd}"
-        if os.path.exists(opened) and not _inside(os.path.realpath(opened), roots):
+        held = os.fstat(fd)
+        again = os.path.realpath(path)
+        try:
+            named = os.stat(again)
+        except OSError:
+            raise outside from None
+        if not _inside(again, roots) or (named.st_dev, named.st_ino) != (held.st_dev, held.st_ino):
             raise outside
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        if not stat.S_ISREG(held.st_mode):
             raise errors.UnsupportedMediaSource("not a regular file (a directory, a device or a "
                                                 "pipe is never read)", field=field)
         return open(fd, "rb")  # the file object owns the descriptor from here
@@ -289,7 +303,7 @@ def open_source(source: str, policy: MediaPolicy, field: str, kind: str = "video
                                   "loader reads it), not inline; or send its frames as a list", field=field)
     if not policy.local_paths:
         raise errors.UnsupportedMediaSource(f"reading local {kind} files is not allowed here", field=field)
-    path = _local_file(source, policy)
+    path = _local_file(source, policy, field)
     if policy.file_roots is not None:
         return _open_allowed(path, policy.file_roots, field, kind)
     if not path.is_file():  # the user's own command: any regular file they name

@@ -160,7 +160,10 @@ class Guard:
                         "name at this machine (DNS rebinding) can read the answers")
 
     async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
+        if scope["type"] == "websocket":  # no route takes one; refused, so none is ever open to all
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        if scope["type"] != "http":  # lifespan
             await self.app(scope, receive, send)
             return
         headers: list[tuple[bytes, bytes]] = list(scope.get("headers") or [])
@@ -168,20 +171,25 @@ class Guard:
         origin = origin.strip().lower() if origin is not None else None  # browsers send it so
         refuse = self.refusal_for(scope["path"])
         refusal = self.refusal(scope, headers, origin)
+        if refusal is None and scope["method"] == "OPTIONS" and origin is not None \
+                and _one(headers, b"access-control-request-method") is not None:
+            if origin in self._cors:
+                await self.preflight(origin)(scope, receive, send)
+                return
+            refusal = self._refuse_origin(origin, f"CORS is not allowed for {origin!r}; start the "
+                                          f"server with --cors-origin {origin} to allow it")
+        if origin is not None and origin in self._cors:
+            # an allowed page reads what it is answered, refusals (401, 415) included
+            send = _with_cors(send, origin)
+        if refusal is None and self._key is not None and scope["path"] not in self._open \
+                and not self.authorized(headers):
+            refusal = errors.Unauthorized(
+                "missing or wrong API key; send 'Authorization: Bearer <key>' or 'X-API-Key: <key>'")
         if refusal is not None:
+            # named in the request's log line and in /metrics' errors by code
+            scope.setdefault("state", {}).setdefault("clef_log", {})["error"] = refusal.code
             await refuse(refusal)(scope, receive, send)
             return
-        if scope["method"] == "OPTIONS" and origin is not None \
-                and _one(headers, b"access-control-request-method") is not None:
-            await self.preflight(origin, refuse)(scope, receive, send)
-            return
-        if self._key is not None and scope["path"] not in self._open and not self.authorized(headers):
-            await refuse(errors.Unauthorized(
-                "missing or wrong API key; send 'Authorization: Bearer <key>' or 'X-API-Key: <key>'"
-            ))(scope, receive, send)
-            return
-        if origin is not None and origin in self._cors:
-            send = _with_cors(send, origin)
         await self.app(scope, receive, send)
 
     def refusal(self, scope: MutableMapping[str, Any], headers: list[tuple[bytes, bytes]],
@@ -229,14 +237,10 @@ class Guard:
         return scope["method"] in ("GET", "HEAD") and scope["path"] in self._page \
             and _one(headers, b"sec-fetch-mode") == "navigate"
 
-    def preflight(self, origin: str, refuse: Callable[[ClefError], Any]) -> Any:
-        """A CORS preflight: answered for a ``--cors-origin``, refused for any other."""
+    def preflight(self, origin: str) -> Any:
+        """The answer to a ``--cors-origin``'s CORS preflight."""
         from starlette.responses import Response
 
-        if origin not in self._cors:
-            return refuse(self._refuse_origin(
-                origin, f"CORS is not allowed for {origin!r}; start the server with "
-                        f"--cors-origin {origin} to allow it"))
         return Response(status_code=204, headers={
             "Access-Control-Allow-Origin": origin, "Access-Control-Allow-Methods": CORS_METHODS,
             "Access-Control-Allow-Headers": CORS_HEADERS, "Access-Control-Max-Age": CORS_MAX_AGE,

@@ -170,7 +170,8 @@ class Routes:
         except errors.ClefError as exc:
             return error_response(exc)
         default = served.provenance.model_name if served.provenance is not None else None
-        return json_response({"models": model_entries(served.models, default)})
+        return json_response({"models": model_entries(served.models, default), "limits": {
+            "max_body_bytes": self.max_body_bytes, "max_images": self.media_policy.max_images}})
 
     async def health(self) -> Response:
         status = self.served.status
@@ -231,6 +232,7 @@ async def http_error(request: Request, exc: HTTPException) -> Response:
     headers = dict(exc.headers or {})  # 405's Allow
     error = kind(str(exc.detail), headers=headers) if kind \
         else errors.HttpRefusal(exc.status_code, str(exc.detail), headers=headers)
+    note(request, error=error.code)
     return refusal_for(request.url.path)(error)
 
 

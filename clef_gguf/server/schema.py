@@ -225,10 +225,20 @@ class ModelEntry(BaseModel):
     files: dict[str, str | None] | None = Field(None, description="file name -> sha256")
 
 
+class Limits(BaseModel):
+    """What this server refuses past: the page checks a request against them before sending it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_body_bytes: int = Field(description="larger bodies get 413 body_too_large (--max-body-bytes)")
+    max_images: int = Field(description="pictures (images and video frames) one request may decode")
+
+
 class ModelList(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     models: list[ModelEntry]
+    limits: Limits
 
 
 class HealthOk(BaseModel):

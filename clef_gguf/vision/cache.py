@@ -102,6 +102,18 @@ class VisionCache:
             self._bytes = 0
 
 
+def pixels_digest(pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> bytes:
+    """sha256 of a batch's processed pixels and grid, with their dtypes and shapes: equal digests,
+    equal input to the vision tower. Hashed in place (no copy of the pixels)."""
+    digest = hashlib.sha256()
+    grids = np.ascontiguousarray(torch.as_tensor(grid_thw).numpy(), dtype="<i8")
+    pixels = np.ascontiguousarray(torch.as_tensor(pixel_values).contiguous().numpy())
+    digest.update(f"{list(grids.shape)}:{pixels.dtype}:{list(pixels.shape)}:".encode())
+    digest.update(grids.data)
+    digest.update(pixels.data)
+    return digest.digest()
+
+
 @dataclass(frozen=True)
 class Embedding:
     """One ``embed`` call's output, and whether the cache held it (the tower did not run)."""
@@ -123,19 +135,16 @@ class CachedVision:
         self.tower, self.cache = tower, cache
         self._tag = f"{ENGINE}:{tower.dtype}:{weights}:".encode()
 
-    def key(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> bytes:
-        digest = hashlib.sha256(self._tag)
-        grids = np.ascontiguousarray(torch.as_tensor(grid_thw).numpy(), dtype="<i8")
-        pixels = torch.as_tensor(pixel_values).contiguous()
-        digest.update(f"{list(grids.shape)}:{pixels.dtype}:{list(pixels.shape)}:".encode())
-        digest.update(grids.data)
-        digest.update(np.ascontiguousarray(pixels.numpy()).data)  # hashed in place, not copied
-        return digest.digest()
+    def key(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, hashed: bytes | None = None) -> bytes:
+        """``hashed``: ``pixels_digest(pixel_values, grid_thw)`` when the caller has it already (the
+        prepare stage hashes every batch once), so the model's thread does not hash them again."""
+        return hashlib.sha256(self._tag + (hashed or pixels_digest(pixel_values, grid_thw))).digest()
 
-    def embed(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> Embedding:
+    def embed(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor,
+              hashed: bytes | None = None) -> Embedding:
         if self.cache.max_bytes == 0:  # off: not even the pixels' hash
             return Embedding(self.tower.embed(pixel_values, grid_thw), cached=False)
-        key = self.key(pixel_values, grid_thw)
+        key = self.key(pixel_values, grid_thw, hashed)
         found = self.cache.get(key)
         if found is not None:
             return Embedding(found, cached=True)

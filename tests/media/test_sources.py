@@ -308,3 +308,11 @@ def test_base64_looking_names_outside_the_directories_are_not_read(tmp_path):
     looking_out = MediaPolicy(local_paths=True, base_dir=outside, file_roots=(inside.resolve(),))
     _refused("secret", looking_out, errors.InvalidMedia)  # the base64 "secret": not an image
     _refused("../private/secret", policy)  # '.' is no base64: a path, and outside
+
+
+def test_a_nul_in_a_path_and_an_oversized_file_are_refused_naming_the_field(tmp_path):
+    (tmp_path / "big.png").write_bytes(PNG + b"\0" * 4096)
+    for policy in (_roots(tmp_path), LOCAL):
+        assert "NUL" in _refused(f"{tmp_path}/a\x00b.png", policy, errors.InvalidMedia)
+    small = MediaPolicy(local_paths=True, file_roots=(tmp_path.resolve(),), url_max_bytes=len(PNG))
+    assert "exceeds" in _refused(str(tmp_path / "big.png"), small, errors.MediaTooLarge)

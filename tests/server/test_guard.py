@@ -178,6 +178,12 @@ def test_cors_origin_answers_its_preflight_and_no_other(clef):
         assert status == 200 and gated.entered == before + 1
         assert headers["access-control-allow-origin"] == "http://127.0.0.1:9999"
         refused(srv, gated, post(srv, Origin="http://127.0.0.1:9998"), 403, "origin_not_allowed")
+        # the allowed page can read its refusals too (else the browser shows an opaque failure)
+        status, headers, payload = raw(srv.port, post(srv, Origin="http://127.0.0.1:9999",
+                                                      **{"Content-Type": "text/plain"}), BODY)
+        assert (status, code_of(payload)) == (415, "unsupported_media_type")
+        assert headers["access-control-allow-origin"] == "http://127.0.0.1:9999"
+        assert gated.entered == before + 1
 
 
 def test_allowed_host_adds_names_and_star_opens_it(clef, caplog):

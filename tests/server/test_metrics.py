@@ -61,6 +61,8 @@ def test_metrics_count_what_was_sent(srv, clef):
     assert delta("clef_requests_total", route="other", method="POST", status="421") == 1
     assert delta("clef_requests_total", route="other", method="POST", status="401") == 1
     assert delta("clef_errors_total", code="invalid_question_type") == 1
+    assert delta("clef_errors_total", code="host_not_allowed") == 1  # the guard's refusals too
+    assert delta("clef_errors_total", code="unauthorized") == 1
     usages = [a.json()["usage"] for a in answers] + [run.json()["result"]["usage"]]
     assert delta("clef_input_tokens_total") == sum(u["input_tokens"] for u in usages)
     assert delta("clef_cached_tokens_total") == sum(u["cached_tokens"] for u in usages) > 0

@@ -16,6 +16,7 @@ from avrik_sdk import AvrikError, Client, RateLimited, choice, noul, score
 
 from clef_gguf import Clef
 from clef_gguf.core import errors
+from clef_gguf.server.app import DEFAULT_MAX_BODY
 from server_helpers import (raw_post, same, DEADLINE_S, QUESTIONS, Gated, ThreadServer, request_body,
                             wait_for)
 
@@ -215,7 +216,10 @@ def test_openapi_schema(http):
 
 
 def test_models_entry(http, clef):
-    (entry,) = http.get("/v1/models").json()["models"]
+    listed = http.get("/v1/models").json()
+    (entry,) = listed["models"]
+    # the limits the page checks a request against before sending it (DEFAULT_MAX_IMAGES: 32)
+    assert listed["limits"] == {"max_body_bytes": DEFAULT_MAX_BODY, "max_images": 32}
     assert entry["name"] == clef.info["name"] and entry["revision"] == clef.info["revision"]
     assert all(len(h) == 64 for h in entry["files"].values() if h)
 
