@@ -14,10 +14,10 @@ schedule, with every cache key and rule, is ``clef_gguf.tower.schedule``'s: this
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+
+from clef_gguf.core.lru import ByteLRU
 
 if TYPE_CHECKING:  # numpy is only handled here, never needed to import this module
     import numpy as np
@@ -51,64 +51,17 @@ class Snapshot(Generic[K]):
         return self.hidden.nbytes + (0 if self.seq_state is None else self.seq_state.nbytes)
 
 
-class StateCache:
+class StateCache(ByteLRU[Snapshot[Any]]):
     """A byte-bounded LRU of snapshots; ``max_bytes=0`` keeps nothing (every prompt decoded)."""
 
     def __init__(self, max_bytes: int = DEFAULT_MB << 20):
-        self.max_bytes = max(0, int(max_bytes))
-        self._entries: OrderedDict[bytes, Snapshot[Any]] = OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
-        self.hits = self.misses = 0
-
-    @property
-    def nbytes(self) -> int:
-        return self._bytes
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def __contains__(self, key: bytes) -> bool:
-        """Whether ``key`` is held, without counting a hit or refreshing it (planning only)."""
-        with self._lock:
-            return key in self._entries
+        super().__init__(max_bytes, lambda snapshot: snapshot.nbytes)
 
     @staticmethod
     def key(kind: str, ids: np.ndarray, tag: str = "") -> bytes:
         """``tag`` names what else the cached states depend on (a fine-tune's adapter): towers that
         share a cache under different tags never see each other's entries."""
         return f"{kind}{tag}:".encode() + ids.astype("<i4", copy=False).tobytes()
-
-    def get(self, key: bytes) -> Snapshot[Any] | None:
-        with self._lock:
-            found = self._entries.get(key)
-            if found is None:
-                self.misses += 1
-                return None
-            self._entries.move_to_end(key)
-            self.hits += 1
-            return found
-
-    def put(self, key: bytes, snapshot: Snapshot[Any]) -> bool:
-        """Keep ``snapshot`` if it fits the budget at all, evicting the least recently used."""
-        size = snapshot.nbytes
-        if size > self.max_bytes:
-            return False
-        with self._lock:
-            old = self._entries.pop(key, None)
-            if old is not None:
-                self._bytes -= old.nbytes
-            while self._entries and self._bytes + size > self.max_bytes:
-                _, evicted = self._entries.popitem(last=False)
-                self._bytes -= evicted.nbytes
-            self._entries[key] = snapshot
-            self._bytes += size
-            return True
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-            self._bytes = 0
 
 
 def usable(cache: StateCache | None) -> StateCache | None:

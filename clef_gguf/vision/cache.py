@@ -16,8 +16,6 @@ picture alone could round differently in the last bits from embedding them toget
 from __future__ import annotations
 
 import hashlib
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +24,7 @@ import numpy as np
 import torch
 
 from clef_gguf.core.limits import VISION_CACHE_MB as DEFAULT_MB
+from clef_gguf.core.lru import ByteLRU
 from clef_gguf.vision.encoder import VisionTower
 
 ENGINE = "torch"  # the one vision engine shipped (docs/media.md: why not llama.cpp's mtmd)
@@ -47,59 +46,12 @@ def weights_identity(files: Iterable[Path], known_sha256: Callable[[Path], str |
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
-class VisionCache:
+class VisionCache(ByteLRU[torch.Tensor]):
     """A byte-bounded LRU of vision outputs (float32 [tokens, out_hidden_size]); ``max_bytes=0``
     keeps nothing (the tower runs for every picture). Thread-safe: a server's requests share it."""
 
     def __init__(self, max_bytes: int = DEFAULT_MB << 20) -> None:
-        self.max_bytes = max(0, int(max_bytes))
-        self._entries: OrderedDict[bytes, torch.Tensor] = OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
-        self.hits = self.misses = 0
-
-    @property
-    def nbytes(self) -> int:
-        return self._bytes
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def __contains__(self, key: bytes) -> bool:
-        """Whether ``key`` is held, without counting a hit or refreshing it."""
-        with self._lock:
-            return key in self._entries
-
-    def get(self, key: bytes) -> torch.Tensor | None:
-        with self._lock:
-            found = self._entries.get(key)
-            if found is None:
-                self.misses += 1
-                return None
-            self._entries.move_to_end(key)
-            self.hits += 1
-            return found
-
-    def put(self, key: bytes, rows: torch.Tensor) -> bool:
-        """Keep ``rows`` if they fit the budget at all, evicting the least recently used."""
-        size = rows.nelement() * rows.element_size()
-        if size > self.max_bytes:
-            return False
-        with self._lock:
-            old = self._entries.pop(key, None)
-            if old is not None:
-                self._bytes -= old.nelement() * old.element_size()
-            while self._entries and self._bytes + size > self.max_bytes:
-                _, evicted = self._entries.popitem(last=False)
-                self._bytes -= evicted.nelement() * evicted.element_size()
-            self._entries[key] = rows
-            self._bytes += size
-            return True
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-            self._bytes = 0
+        super().__init__(max_bytes, lambda rows: rows.nelement() * rows.element_size())
 
 
 def pixels_digest(pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> bytes:
