@@ -56,6 +56,18 @@ def test_interleaved_requests_answer_as_alone(http, served, alone):
         assert same(out.json()) == want | ({} if name else {"model": base})
 
 
+def test_workers_ai_path_names_a_fine_tune(http, served, alone):
+    """Workers AI's run route: a served fine-tune named in the path answers, whatever the body's
+    selector says (clients fix it to clef-flash); the family's name in the path leaves the body's."""
+    for i, name in enumerate(("a", "b")):
+        body = request_body(i) | {"model": "clef-flash"}
+        out = http.post(f"/client/v4/accounts/x/ai/run/@cf/cloudflare/{name}", json=body)
+        assert out.status_code == 200, out.text
+        assert same(out.json()["result"]) == alone[name][i]
+    out = http.post("/accounts/x/ai/run/@cf/cloudflare/clef-flash", json=request_body(2, model="a"))
+    assert same(out.json()["result"]) == alone["a"][2]
+
+
 def test_a_batch_mixes_fine_tunes(http, served, alone):
     base = served.provenance.model_name
     names = ["b", "a", base, "a", "b", base]
