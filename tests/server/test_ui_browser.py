@@ -199,6 +199,16 @@ def assert_console_clean(driver, allowed: tuple[tuple[str, int], ...] = ()) -> N
     assert not bad, bad
 
 
+def assert_copies_answer(driver, answers: dict) -> None:
+    """The copied curl and avrik-sdk snippets run as they are and get ``answers``."""
+    for button, cmd in (("copy-curl", ["bash", "-c"]), ("copy-avrik", [sys.executable, "-c"])):
+        press(by_id(driver, button))
+        snippet = by_id(driver, "copy-output").text
+        ran = subprocess.run([*cmd, snippet], capture_output=True, text=True, timeout=DEADLINE_S)
+        assert ran.returncode == 0, (snippet, ran.stderr)
+        assert json.loads(ran.stdout)["answers"] == answers, button
+
+
 def card(driver, index: int):
     return driver.find_elements(By.CSS_SELECTOR, "#questions-form > li")[index]
 
@@ -394,12 +404,7 @@ def test_form_request_bars_equal_the_api(browser, server, shots):
         assert float(delta) == pytest.approx(p - answers["team"]["probabilities"][option], abs=1e-9)
     shot(browser, shots, "04-compared")
     # the copied curl and avrik-sdk snippets run as they are and get the same answers
-    for button, cmd in (("copy-curl", ["bash", "-c"]), ("copy-avrik", [sys.executable, "-c"])):
-        press(by_id(browser, button))
-        snippet = by_id(browser, "copy-output").text
-        ran = subprocess.run([*cmd, snippet], capture_output=True, text=True, timeout=DEADLINE_S)
-        assert ran.returncode == 0, (snippet, ran.stderr)
-        assert json.loads(ran.stdout)["answers"] == after["answers"], button
+    assert_copies_answer(browser, after["answers"])
     # a run from the history loads back into the form
     oldest = browser.find_elements(By.CSS_SELECTOR, "#history li")[-1]
     press(oldest.find_element(By.XPATH, ".//button[text()='Load']"))
@@ -643,12 +648,7 @@ def test_pictures_picked_dropped_and_pasted_bars_equal_the_api(browser, server, 
     after = api_answer(server, body)
     assert_bars_are(browser, after["answers"])
     # the copied curl and avrik-sdk snippets carry the pictures and get the same answers
-    for button, cmd in (("copy-curl", ["bash", "-c"]), ("copy-avrik", [sys.executable, "-c"])):
-        press(by_id(browser, button))
-        snippet = by_id(browser, "copy-output").text
-        ran = subprocess.run([*cmd, snippet], capture_output=True, text=True, timeout=DEADLINE_S)
-        assert ran.returncode == 0, (snippet, ran.stderr)
-        assert json.loads(ran.stdout)["answers"] == after["answers"], button
+    assert_copies_answer(browser, after["answers"])
     press(by_id(browser, "copy-python"))
     assert uris[2] in by_id(browser, "copy-output").text
     # a run from the history brings its pictures back
