@@ -88,6 +88,19 @@ def verdicts(summary: dict[str, Any], min_agreement: float | None) -> dict[str, 
     return out
 
 
+def agreements(summary: dict[str, Any]) -> dict[str, float]:
+    """Quant (upper case) -> its top-1 agreement with the eval's reference (1.0 for the reference), for
+    ``pick``'s table; a quant run twice shows the lower."""
+    models = summary["models"]
+    out = {str(models[0]["info"].get("quant") or "").upper(): 1.0}
+    for m in models[1:]:
+        top1 = ((m.get("agreement") or {}).get("overall") or {}).get("top1")
+        quant = str(m["info"].get("quant") or "").upper()
+        if top1 is not None and m["info"].get("calibration_version", "none") == "none":
+            out[quant] = min(out.get(quant, 1.0), float(top1))
+    return out
+
+
 def choose(candidates: list[Candidate], found: dict[str, Verdict]) -> tuple[Candidate | None, str]:
     """The smallest candidate that fits and keeps its answers, and the sentence that says why."""
     judged = [(c, found[c.quant.upper()]) for c in candidates if c.quant.upper() in found]

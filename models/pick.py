@@ -5,11 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 
-from clef_gguf.core.argtypes import positive_int
+from clef_gguf.core.argtypes import positive_int, seconds
+from clef_gguf.core.cpus import available_cpus
 from clef_gguf.core.errors import InvalidValue
-from clef_gguf.models import evidence
-from clef_gguf.models.machine import probe
-from clef_gguf.models.placement import DEFAULT_CONTEXT, fp4_note, gib, recommend
+from clef_gguf.models import evidence, speed
+from clef_gguf.models.machine import DeviceProfile, probe
+from clef_gguf.models.placement import DEFAULT_CONTEXT, Recommendation, fp4_note, gib, gpu_layers, recommend
+
+
+def _quant_list(text: str) -> list[str]:
+    return [q.strip().upper() for q in text.split(",") if q.strip()]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,6 +30,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{evidence.DEFAULT_AGREEMENT:g})")
     parser.add_argument("--min-agreement", type=evidence.agreement, metavar="X",
                         help="with --eval: the top-1 agreement with the eval's reference a quant must keep")
+    speed_flags = parser.add_argument_group(
+        "speed on this machine",
+        "Before recommending, pick measures how long one decision takes here with each quant that fits: "
+        "one interval of the family's decoder layers (3 linear-attention + 1 full-attention, at the real "
+        "shapes, in each quant's tensor types) is prefilled through this llama.cpp build with the "
+        "runtime's threads, scaled to the whole tower, plus the joint head. About a minute for Clef-Flash "
+        "on 2 cores; kept per machine, llama.cpp build, threads and --tokens, so the next pick is instant.")
+    speed_flags.add_argument("--tokens", type=positive_int, default=speed.DEFAULT_TOKENS, metavar="N",
+                             help=f"prompt tokens of the decision to time (default {speed.DEFAULT_TOKENS}, "
+                                  "a typical request)")
+    speed_flags.add_argument("--threads", type=positive_int, metavar="N",
+                             help="CPU threads, as you will run the model (default: all available, as the runtime)")
+    speed_flags.add_argument("--max-seconds", type=seconds, metavar="S",
+                             help="recommend the most accurate quant that fits and is predicted to answer "
+                                  "within S seconds (with --eval: the smallest that also keeps your answers)")
+    speed_flags.add_argument("--prefer", choices=speed.PREFERENCES, default="quality",
+                             help="quality (default): the most accurate quant that fits (and meets "
+                                  "--max-seconds); speed: the fastest one that fits (and keeps your "
+                                  "answers, with --eval)")
+    speed_flags.add_argument("--quants", metavar="Q[,Q...]", type=_quant_list,
+                             help="probe only these quants (default: every quant that fits)")
+    speed_flags.add_argument("--no-probe", action="store_true",
+                             help="skip the speed probe: memory (and --eval) only")
+    speed_flags.add_argument("--reprobe", action="store_true",
+                             help="measure again even if this machine's results are kept")
     parser.epilog = ("The recommendation is a GGUF quant. pick also lists the family's NVFP4 checkpoints "
                      "(clef-flash:nvfp4a16, clef-flash:nvfp4, clef:nvfp4; the nvfp4 backend, PyTorch on "
                      "CUDA) with their GPU memory need, and says whether this GPU runs FP4 natively "
@@ -33,17 +63,56 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "automatically: pull one by name.")
 
 
+def measure_speed(args: argparse.Namespace, profile: DeviceProfile, rec: Recommendation) -> speed.SpeedTable | None:
+    """The speed table for ``rec``'s candidates that fit (or ``--quants``), None with ``--no-probe``."""
+    if args.no_probe:
+        return None
+    known = {c.quant.upper(): c for c in rec.candidates}
+    if args.quants:
+        unknown = [q for q in args.quants if q not in known]
+        if unknown:
+            raise InvalidValue(f"--quants: {', '.join(unknown)} not published for {rec.family} "
+                               f"(choose from {', '.join(known)})", field="quants")
+        wanted = list(args.quants)
+    else:
+        wanted = [q for q, c in known.items() if c.fits]
+    if not wanted:
+        return None
+    placed = {q: gpu_layers(profile, known[q].size_bytes, rec.family, context_tokens=args.ctx) for q in wanted}
+    return speed.measure(rec.family, wanted, tokens=args.tokens, threads=args.threads or available_cpus(),
+                         gpu_layers=placed, reprobe=args.reprobe)
+
+
 def run(args: argparse.Namespace) -> int:
     """``clef-gguf pick``: print this machine's profile and the recommended quant; 1 if nothing fits."""
-    profile = probe()
-    rec = recommend(profile, args.family, context_tokens=args.ctx)
-    if args.eval:
-        rec = evidence.apply(rec, evidence.load(args.eval), args.min_agreement)
-    elif args.min_agreement is not None:
+    if args.no_probe and args.reprobe:
+        raise InvalidValue("--no-probe and --reprobe contradict each other: give one", field="reprobe")
+    if args.no_probe and (args.max_seconds is not None or args.prefer == "speed"):
+        raise InvalidValue("--max-seconds and --prefer speed need the speed probe: drop --no-probe",
+                           field="no_probe")
+    if args.min_agreement is not None and not args.eval:
         raise InvalidValue("--min-agreement needs --eval DIR (a clef-gguf eval of the quants)",
                            field="min_agreement")
+    profile = probe()
+    rec = recommend(profile, args.family, context_tokens=args.ctx)
+    summary = evidence.load(args.eval) if args.eval else None
+    if summary is not None:
+        rec = evidence.apply(rec, summary, args.min_agreement)
+    table = measure_speed(args, profile, rec)
+    if table is not None and (args.max_seconds is not None or args.prefer == "speed"):
+        keeps = None
+        if summary is not None:
+            keeps = {q for q, v in evidence.verdicts(summary, args.min_agreement).items() if v.keeps}
+        rec = speed.apply(rec, speed.choose(rec, table, max_seconds=args.max_seconds, prefer=args.prefer,
+                                            keeps=keeps))
+    elif table is None and not args.no_probe and (args.max_seconds is not None or args.prefer == "speed"):
+        raise InvalidValue(f"no speed probe for {rec.family}: its tower shapes are not confirmed, so "
+                           "--max-seconds and --prefer speed cannot choose", field="family")
+    agreements = evidence.agreements(summary) if summary is not None else {}
     if args.json:
-        print(json.dumps({"device": profile.to_dict(), "recommendation": rec.to_dict()}, indent=2))
+        print(json.dumps({"device": profile.to_dict(), "recommendation": rec.to_dict(),
+                          "speed": table.to_dict() if table is not None else None,
+                          "table": rows(rec, table, agreements)}, indent=2))
         return 0 if rec.ok else 1
     feats = [n for n, on in (("AVX2", profile.avx2), ("AVX-512", profile.avx512), ("NEON", profile.neon)) if on]
     print(f"RAM:  {gib(profile.total_ram)} total, {gib(profile.available_ram)} available")
@@ -60,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"llama.cpp backends: {', '.join(('CPU',) + profile.backends)}"
           + ("" if profile.backends else " (a CPU-only build; see README for CUDA/Metal/Vulkan)"))
     print()
+    print_table(rec, table, agreements, args)
     if rec.ok and rec.placement:
         print(f"Recommended: {rec.name} (on {rec.placement.upper()})")
     else:
@@ -72,3 +142,46 @@ def run(args: argparse.Namespace) -> int:
             mark = "+" if c.suitable else "-"
             print(f"  {mark} {c.reason}")
     return 0 if rec.ok else 1
+
+
+def rows(rec: Recommendation, table: speed.SpeedTable | None, agreements: dict[str, float]) -> list[dict]:
+    """One row per published quant: size, memory at --ctx, fits, predicted seconds, tokens/s, agreement."""
+    out = []
+    for c in rec.candidates:
+        s = table.get(c.quant) if table is not None else None
+        out.append({"quant": c.quant, "size_bytes": c.size_bytes, "size_basis": c.size_basis,
+                    "memory_bytes": c.need_bytes, "fits": c.fits,
+                    "seconds": s.seconds if s else None, "tokens_per_second": s.tokens_per_second if s else None,
+                    "probe_error": s.error if s else None, "agreement": agreements.get(c.quant.upper())})
+    return out
+
+
+def print_table(rec: Recommendation, table: speed.SpeedTable | None, agreements: dict[str, float],
+                args: argparse.Namespace) -> None:
+    if table is not None:
+        when = (f"kept from {table.measured_at} (--reprobe measures again)" if table.cached
+                else f"measured now in {table.took_seconds:.0f} s")
+        print(f"Speed here: one decision of {table.tokens} prompt tokens with {table.threads} threads, {when}.")
+        print(f"  (predicted from {table.probe_layers} of {table.layers} layers at the real shapes; "
+              f"head {table.head_seconds * 1e3:.0f} ms included)")
+    elif not args.no_probe:
+        print(f"Speed: no probe for {rec.family} (its tower shapes are not confirmed); memory only.")
+    head = f"  {'quant':<8} {'file GB':>8} {'memory GiB':>10} {'fits':>4}"
+    if table is not None:
+        head += f" {'seconds':>8} {'tok/s':>6}"
+    if agreements:
+        head += f" {'top-1 agreement':>15}"
+    print(head)
+    for r in rows(rec, table, agreements):
+        line = (f"  {r['quant']:<8} {r['size_bytes'] / 1e9:>8.2f} {r['memory_bytes'] / (1 << 30):>10.1f} "
+                f"{'yes' if r['fits'] else 'no':>4}")
+        if table is not None:
+            ok = r["seconds"] is not None
+            line += f" {r['seconds']:>8.1f} {r['tokens_per_second']:>6.0f}" if ok else f" {'-':>8} {'-':>6}"
+        if agreements:
+            a = r["agreement"]
+            line += f" {a:>15.4f}" if a is not None else f" {'-':>15}"
+        if r["probe_error"]:
+            line += f"  (probe failed: {r['probe_error']})"
+        print(line)
+    print()

@@ -5,8 +5,19 @@
 model of ``pick`` all start from it. ``models/`` may import this module (tests/test_layout.py).
 """
 
+from typing import Literal, get_args
+
 CONTEXT_WINDOW = 16384
 # The vision cache's default budget in MiB (``clef_gguf.vision.cache``), here so that the load settings
 # name it without importing torch: one Clef-Flash 448x448 picture is 196 tokens x 4096 floats (~3 MiB),
 # so about 80 such pictures.
 VISION_CACHE_MB = 256
+# How the vision tower's arithmetic runs (``clef_gguf.vision.engines``, one implementation per name), here
+# so that the load settings name them without importing torch: "exact" is fp32 PyTorch (the reference's
+# numerics, the default), "int8" the blocks' Linear layers in dynamic int8 (faster on a CPU, not exact).
+VisionEngine = Literal["exact", "int8"]
+VISION_ENGINES: tuple[str, ...] = get_args(VisionEngine)
+# Tokens of the release's system prefix (clef-reference.md section 7): decoded once per process and
+# restored after, so a steady-state decision of N prompt tokens decodes N - 36 (bench's synthetic
+# prompts and pick's speed probe use it).
+SYSTEM_PREFIX_TOKENS = 36

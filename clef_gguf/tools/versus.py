@@ -23,6 +23,7 @@ from collections.abc import Callable
 import llama_cpp as ll
 import numpy as np
 
+from clef_gguf.core.limits import SYSTEM_PREFIX_TOKENS
 from clef_gguf.pipeline import answer
 from clef_gguf.tower.cache import StateCache
 from clef_gguf.core.errors import InvalidValue
@@ -141,8 +142,7 @@ def versus_transformers(clef, request: dict, release: str, rounds: int) -> dict:
 
 
 
-# The release's system prefix is 36 tokens (clef-reference.md section 7): the synthetic prompts' too.
-SYNTHETIC_PREFIX = 36
+SYNTHETIC_PREFIX = SYSTEM_PREFIX_TOKENS  # the synthetic prompts' prefix is as long as the release's
 
 
 def _agreement(clef, prepared: list, pack: int) -> dict:

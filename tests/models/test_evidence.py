@@ -104,10 +104,10 @@ def test_pick_eval_on_the_command_line(monkeypatch, tmp_path, capsys):
         model("Q8_0"), model("Q4_K_M", top1=0.995), model("IQ2_M", top1=0.93)]}))
     parser = argparse.ArgumentParser()
     pick.add_arguments(parser)
-    assert pick.run(parser.parse_args(["--eval", str(tmp_path), "--min-agreement", "0.99"])) == 0
+    assert pick.run(parser.parse_args(["--no-probe", "--eval", str(tmp_path), "--min-agreement", "0.99"])) == 0
     out = capsys.readouterr().out
     assert "Recommended: clef-flash:Q4_K_M" in out and "top-1 agreement 0.9950" in out
-    assert pick.run(parser.parse_args(["--eval", str(tmp_path), "--json"])) == 0
+    assert pick.run(parser.parse_args(["--no-probe", "--eval", str(tmp_path), "--json"])) == 0
     assert json.loads(capsys.readouterr().out)["recommendation"]["quant"] == "Q4_K_M"  # no labels: 0.99
     with pytest.raises(errors.InvalidValue, match="--eval"):
         pick.run(parser.parse_args(["--min-agreement", "0.9"]))

@@ -16,7 +16,7 @@ from clef_gguf.models.machine import GiB, DeviceProfile
 def test_pick_command_on_this_machine(capsys, as_json):
     parser = argparse.ArgumentParser()
     pick.add_arguments(parser)
-    code = pick.run(parser.parse_args(["--json"] if as_json else []))
+    code = pick.run(parser.parse_args(["--no-probe", "--json"] if as_json else ["--no-probe"]))
     out = capsys.readouterr().out
     if as_json:
         data = json.loads(out)
@@ -38,14 +38,14 @@ def test_pick_says_whether_the_gpu_has_native_fp4(monkeypatch, capsys, gpu, word
     parser = argparse.ArgumentParser()
     pick.add_arguments(parser)
     assert "clef-flash:nvfp4a16" in parser.format_help() and "Blackwell" in parser.format_help()
-    assert pick.run(parser.parse_args([])) == 0
+    assert pick.run(parser.parse_args(["--no-probe"])) == 0
     out = capsys.readouterr().out
     gpu_line = next(line for line in out.splitlines() if line.startswith("GPU:"))
     assert f"NVFP4: {words}" in gpu_line
     assert "NVFP4 checkpoints (nvfp4 backend; pulled by name, never chosen automatically):" in out
     assert f"+ clef-flash:NVFP4 (W4A4, by name only) fits: {words}" in out
     assert "+ clef-flash:NVFP4A16 (W4A16, by name only) fits: dequantizing fallback" in out
-    assert pick.run(parser.parse_args(["--json"])) == 0
+    assert pick.run(parser.parse_args(["--no-probe", "--json"])) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["device"]["gpus"][0]["compute_capability"] == gpu.compute_capability
     rows = {r["quant"]: r for r in data["recommendation"]["nvfp4"]}
@@ -59,6 +59,6 @@ def test_pick_without_a_gpu_lists_nvfp4_as_not_suitable(monkeypatch, capsys):
     monkeypatch.setattr(pick, "probe", lambda **_: DeviceProfile(32 * GiB, 26 * GiB, 16, "x86_64", X86))
     parser = argparse.ArgumentParser()
     pick.add_arguments(parser)
-    assert pick.run(parser.parse_args([])) == 0
+    assert pick.run(parser.parse_args(["--no-probe"])) == 0
     out = capsys.readouterr().out
     assert "GPU:  none" in out and "- clef-flash:NVFP4A16 (W4A16) is not suitable here: no CUDA GPU" in out

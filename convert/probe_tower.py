@@ -1,0 +1,197 @@
+"""A speed probe's tower: a few decoder layers at a family's exact shapes, in the types a quant gives them.
+
+``clef-gguf pick`` predicts how long a decision takes with each quant before anything is downloaded
+(``models/speed.py``). A quant's time is its tensors' matmuls at their types and shapes, not their
+values, so the probe runs a small file whose layers cost what the real file's layers cost:
+
+1. ``write_skeleton``: the family's whole tensor list (every layer, real names, real row widths and
+   hyper-parameters) in bf16, each block matrix cut to two rows, with a small vocabulary. llama.cpp's
+   quantizer chooses a tensor's type from its name, its layer, its row width and the model's
+   hyper-parameters, never from its row count (``llama_tensor_get_type`` in llama-quant.cpp), so
+   quantizing the skeleton gives every tensor the type the published file has, in about a second.
+2. ``choose_layers``: which of the model's layers the probe's few layers copy. The mixes give some
+   layers more bits (``use_more_bits``: Q4_K_M keeps half the ``ffn_down`` in Q6_K); the chosen ones
+   hold, role by role, the bytes closest to the model's average layer of their kind.
+3. ``write_probe``: one full-attention interval of layers (3 linear-attention + 1 full-attention for
+   Clef-Flash: both kinds in their real ratio) at full shape, each matrix the skeleton's quantized rows
+   repeated to the real row count.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+from clef_gguf.convert import gguf_vocab, tiny
+from clef_gguf.convert import tensor_map as tm
+from clef_gguf.convert.big import plan, preset_config
+from clef_gguf.convert.hf_to_gguf import _add_metadata, stream_gguf
+from clef_gguf.core.errors import ConversionError
+
+# Rows of the probe's vocabulary: the embedding lookup and the final norm cost nothing next to the
+# layers, and the runtime never multiplies by the output matrix (it reads hidden states).
+PROBE_VOCAB = 1024
+SEED = 0
+# Rows of each block matrix in the skeleton: two, because ggml counts a one-row matrix as 1-D and
+# llama.cpp leaves 1-D tensors unquantized.
+SKELETON_ROWS = 2
+
+
+def probe_preset(preset: str, layers: int | None = None) -> dict:
+    """``preset``'s shapes with the probe's small vocabulary (``layers``: fewer blocks)."""
+    p = preset_config(preset, layers)
+    return {**p, "vocab_size": min(p["vocab_size"], PROBE_VOCAB)}
+
+
+@functools.lru_cache(maxsize=2)
+def _tokenizer(bpe_vocab: int):
+    """The demo tokenizer (trained in ~1 s): once per process, whatever the quants."""
+    return tiny.build_tokenizer(bpe_vocab)
+
+
+def _cut(gguf_name: str, shape: list[int]) -> bool:
+    """A block matrix the skeleton holds as ``SKELETON_ROWS`` rows: a 2-D ``blk.N.*.weight`` of more than one row."""
+    return gguf_name.startswith("blk.") and len(shape) == 2 and shape[0] > 1 and gguf_name.endswith(".weight")
+
+
+def _metadata_writer(p: dict, tok, tokenizer_json: Path, name: str) -> tuple[gguf.GGUFWriter, tm.Dims, list]:
+    text, d, items = plan(p, "bf16", tok)
+    vocab = gguf_vocab.read_vocab(tokenizer_json, d.vocab, tiny._tokenizer_config(tok), text)
+    writer = gguf.GGUFWriter(path=None, arch="qwen35")
+    _add_metadata(writer, text, d, "bf16", name)
+    gguf_vocab.add_to_writer(writer, vocab)
+    return writer, d, [item for item in items if item.gguf_name is not None]
+
+
+def write_skeleton(path: Path, preset: str, workdir: Path) -> dict:
+    """The skeleton bf16 GGUF of ``preset`` at ``path`` (see the module doc); returns its summary."""
+    p = probe_preset(preset)
+    tok = _tokenizer(p["bpe_vocab"])
+    tokenizer_json = workdir / "probe-tokenizer.json"
+    tok.save(str(tokenizer_json))
+    writer, d, items = _metadata_writer(p, tok, tokenizer_json, f"clef-speed-probe-{preset}")
+    gen = torch.Generator().manual_seed(SEED)
+    payloads = []
+    for item in items:
+        shape = tm.output_shape(item.shape, item.edits)
+        if _cut(item.gguf_name, shape):
+            shape = [SKELETON_ROWS, shape[1]]
+            kind, scale = item.rule
+            values = torch.randn(shape, generator=gen) * scale
+        else:  # norms, convolutions, decay rates: as the converter writes them (finite recurrences)
+            values = tm.apply_edits(tiny._init(item.shape, item.rule, gen).to(torch.float32), item.edits, d)
+        qtype = tm.storage_type(item.gguf_name, shape, "bf16")
+        data = (values.to(torch.bfloat16).contiguous().view(torch.int16).numpy()
+                if qtype == gguf.GGMLQuantizationType.BF16 else tm.encode(values.numpy(), qtype))
+        layout_shape, dtype, nbytes = tm.encoded_layout(shape, qtype) if qtype != gguf.GGMLQuantizationType.BF16 \
+            else (shape, np.dtype(np.int16), data.nbytes)
+        writer.add_tensor_info(item.gguf_name, layout_shape, dtype, nbytes, raw_dtype=qtype)
+        payloads.append(data)
+    stream_gguf(writer, path, payloads)
+    return {"layers": p["layers"], "tensors": len(items), "bytes": path.stat().st_size}
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """One tensor of a quantized skeleton: its type and its rows' bytes ``[rows, row_bytes]``."""
+
+    qtype: gguf.GGMLQuantizationType
+    rows: np.ndarray  # uint8
+    dims: tuple[int, ...]  # numpy order (ne reversed)
+
+    @property
+    def row_bytes(self) -> int:
+        return int(self.rows.shape[1])
+
+
+def read_quantized(path: Path) -> dict[str, StoredTensor]:
+    """Every tensor of a (quantized) skeleton by name, as raw rows."""
+    out = {}
+    for t in gguf.GGUFReader(str(path)).tensors:
+        n_rows = int(math.prod(int(n) for n in t.shape[1:])) or 1
+        raw = np.asarray(t.data).view(np.uint8).reshape(n_rows, -1)
+        dims = tuple(int(n) for n in reversed(t.shape))
+        out[t.name] = StoredTensor(gguf.GGMLQuantizationType(int(t.tensor_type)), raw, dims)
+    return out
+
+
+def _layer_kinds(p: dict) -> list[str]:
+    return ["full" if (i + 1) % p["interval"] == 0 else "linear" for i in range(p["layers"])]
+
+
+def choose_layers(stored: dict[str, StoredTensor], preset: str, probe_layers: int) -> list[int]:
+    """For each of the probe's ``probe_layers`` layers, the model layer (of the same kind) it copies.
+
+    Per kind, the chosen layers' bytes per role (``attn_qkv``, ``ffn_down``, ...) at full row count
+    are closest, in summed relative error, to as many of the model's average layer of that kind."""
+    full = preset_config(preset)
+    _, _, items = plan(probe_preset(preset), "bf16", _tokenizer(full["bpe_vocab"]))
+    rows = {it.gguf_name.split(".", 2)[2]: tm.output_shape(it.shape, it.edits)[0]
+            for it in items if it.gguf_name and _cut(it.gguf_name, tm.output_shape(it.shape, it.edits))}
+    kinds = _layer_kinds(full)
+
+    def role_bytes(layer: int) -> dict[str, int]:
+        out = {}
+        for role, n in rows.items():
+            t = stored.get(f"blk.{layer}.{role}")
+            if t is not None:
+                out[role] = t.row_bytes * n
+        return out
+
+    per_layer = [role_bytes(i) for i in range(full["layers"])]
+    probe_kinds = _layer_kinds({**full, "layers": probe_layers})
+    chosen: dict[str, list[int]] = {}
+    for kind in ("linear", "full"):
+        pool = [i for i, k in enumerate(kinds) if k == kind]
+        count = probe_kinds.count(kind)
+        if not count:
+            continue
+        roles = sorted({r for i in pool for r in per_layer[i]})
+        mean = {r: sum(per_layer[i].get(r, 0) for i in pool) / len(pool) for r in roles}
+
+        def error(combo: tuple[int, ...]) -> float:
+            return sum(abs(sum(per_layer[i].get(r, 0) for i in combo) - count * mean[r]) / (count * mean[r])
+                       for r in roles if mean[r])
+        # Layers with equal byte profiles are interchangeable: search one of each profile.
+        distinct = list({tuple(sorted(per_layer[i].items())): i for i in pool}.values())
+        best = min(itertools.combinations_with_replacement(distinct, count), key=error)
+        chosen[kind] = list(best)
+    return [chosen[k].pop(0) for k in probe_kinds]
+
+
+def write_probe(path: Path, stored: dict[str, StoredTensor], preset: str, sources: list[int],
+                workdir: Path) -> dict:
+    """The probe GGUF: ``len(sources)`` layers of ``preset`` at full shape, layer ``i`` in the types
+    (and the quantized rows, repeated) of the skeleton's layer ``sources[i]``; returns its summary."""
+    p = probe_preset(preset, len(sources))
+    tok = _tokenizer(p["bpe_vocab"])
+    tokenizer_json = workdir / "probe-tokenizer.json"
+    tok.save(str(tokenizer_json))
+    writer, _, items = _metadata_writer(p, tok, tokenizer_json, f"clef-speed-probe-{preset}")
+    payloads = []
+    for item in items:
+        name = item.gguf_name
+        if name.startswith("blk."):
+            _, layer, role = name.split(".", 2)
+            src = stored.get(f"blk.{sources[int(layer)]}.{role}")
+        else:
+            src = stored.get(name)
+        if src is None:
+            raise ConversionError(f"the quantized skeleton has no tensor for {name}")
+        shape = tm.output_shape(item.shape, item.edits)
+        if _cut(name, shape):
+            data = np.tile(src.rows, (-(-shape[0] // len(src.rows)), 1))[:shape[0]]
+            dims = [shape[0], src.row_bytes]
+        else:
+            data, dims = src.rows, [*src.dims[:-1], src.row_bytes]
+        writer.add_tensor_info(name, dims, np.dtype(np.uint8), data.nbytes, raw_dtype=src.qtype)
+        payloads.append(data)
+    stream_gguf(writer, path, payloads)
+    return {"layers": len(sources), "sources": sources, "bytes": path.stat().st_size}

@@ -1,0 +1,303 @@
+"""Seconds per decision with each quant on this machine, measured before any download.
+
+``clef-gguf pick`` asks how long one decision of ``--tokens`` prompt tokens takes with each quant the
+family publishes. For each, ``convert/probe_tower.py`` writes one full-attention interval of decoder
+layers (Clef-Flash: 3 linear-attention + 1 full-attention, hidden 4096, feed-forward 12,288, its head
+counts) whose tensors have the types the published file gives them, and ``models/speed_run.py``
+prefills ``--tokens`` ids through it with the runtime's llama.cpp context and threads. The prediction
+scales that to the family's layer count and adds the joint head, timed at the family's shape:
+
+    tower = median(probe prefill) x layers / probe layers      decision = tower + head
+
+The probe prefills ``--tokens`` minus the release's 36-token system prefix: the runtime decodes that
+prefix once per process and restores it for every decision after.
+
+Encoding, lexical rows and the answer are under a millisecond each (BENCHMARKS.md) and are left out.
+The results are kept per machine, llama.cpp build, thread count, GPU placement and token count in
+``$HF_HOME/clef-gguf/speed-probe.json``: the next ``pick`` reads them (``--reprobe`` measures again).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from clef_gguf.convert.big import preset_config
+from clef_gguf.core.errors import InvalidValue
+from clef_gguf.core.limits import SYSTEM_PREFIX_TOKENS
+from clef_gguf.models.hfcache import clef_home
+from clef_gguf.models.placement import Recommendation
+
+FORMAT = "clef-gguf-speed-probe/1"
+DEFAULT_TOKENS = 500
+PREFERENCES = ("quality", "speed")
+# Families whose every tower shape is confirmed (convert.big's preset). The 27B's linear-attention and
+# feed-forward widths are not in its card: no probe rather than a guess.
+PRESETS = {"clef-flash": "flash9b"}
+# Published files that are another type's mix with token_embd and output at Q8_0 (bartowski's "_L"
+# and "_XL"): the probe never multiplies by those two matrices, so they time as their base type.
+SAME_LAYERS = {"Q6_K_L": "Q6_K", "Q5_K_L": "Q5_K_M", "Q4_K_L": "Q4_K_M", "Q3_K_XL": "Q3_K_L", "Q2_K_L": "Q2_K"}
+ROUNDS = 1  # timed prefills per quant after a short warm-up (the median of them, if more)
+TIMEOUT_S = 900  # the whole probe; one quant's hang must not hang pick
+
+
+@dataclass(frozen=True)
+class QuantSpeed:
+    """One quant's probe and prediction; ``error`` instead when its probe failed."""
+
+    quant: str
+    probe_seconds: tuple[float, ...] = ()  # each timed prefill through the probe's layers
+    tower_seconds: float | None = None
+    seconds: float | None = None  # the whole decision: tower + head
+    tokens_per_second: float | None = None  # prompt tokens through the whole tower
+    scaled: bool = False  # a slow type: timed on a few tokens and scaled linearly (speed_run.SLOW_S)
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class SpeedTable:
+    family: str
+    preset: str
+    tokens: int
+    threads: int
+    gpu_layers: dict[str, int]  # per quant: -1 on the GPU (as the runtime would place it), 0 on the CPU
+    layers: int  # the family's decoder layers
+    probe_layers: int
+    head_seconds: float
+    quants: dict[str, QuantSpeed]
+    key: str
+    measured_at: str
+    took_seconds: float
+    cached: bool = False
+
+    def get(self, quant: str) -> QuantSpeed | None:
+        return self.quants.get(quant.upper())
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["quants"] = {q: dataclasses.asdict(s) for q, s in self.quants.items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SpeedTable:
+        quants = {q: QuantSpeed(**{**s, "probe_seconds": tuple(s["probe_seconds"])}) for q, s in d["quants"].items()}
+        return cls(**{**d, "quants": quants})
+
+
+def preset_for(family: str) -> str | None:
+    """The ``convert.big`` preset with ``family``'s shapes, or None when they are not confirmed."""
+    return PRESETS.get(family)
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "Hardware", "cpu model")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_key(preset: str, tokens: int, threads: int, gpu_layers: dict[str, int]) -> str:
+    """What the measurement depends on, hashed: CPU, llama.cpp build, threads, placement, tokens."""
+    import llama_cpp
+
+    parts = {"format": FORMAT, "cpu": _cpu_model(), "arch": platform.machine(), "cores": os.cpu_count(),
+             "llama_cpp": llama_cpp.__version__,
+             "system_info": llama_cpp.llama_print_system_info().decode("utf-8", "replace"),
+             "preset": preset, "tokens": tokens, "threads": threads,
+             "gpu_layers": sorted((q, n) for q, n in gpu_layers.items() if n)}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def cache_path() -> Path:
+    return clef_home() / "speed-probe.json"
+
+
+def _read_cache() -> dict[str, Any]:
+    try:
+        data = json.loads(cache_path().read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) and data.get("format") == FORMAT else {}
+
+
+def _write_cache(table: SpeedTable) -> None:
+    data = _read_cache() or {"format": FORMAT, "tables": {}}
+    data.setdefault("tables", {})[table.key] = table.to_dict() | {"cached": False}
+    path = cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home: the next pick measures again
+
+
+def cached(key: str) -> SpeedTable | None:
+    found = _read_cache().get("tables", {}).get(key)
+    if not isinstance(found, dict):
+        return None
+    try:
+        return dataclasses.replace(SpeedTable.from_dict(found), cached=True)
+    except (TypeError, KeyError):
+        return None
+
+
+def _run_child(spec: dict[str, Any], deadline: float) -> tuple[dict[str, dict], float | None, str]:
+    """Run speed_run on ``spec``; (rows by quant, head seconds, stderr tail). A quant that killed
+    the process is recorded as failed and the rest run in a fresh one."""
+    rows: dict[str, dict] = {}
+    head: float | None = None
+    todo = list(spec["quants"])
+    tail = ""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), GGML_NO_BACKTRACE="1")
+    while todo:
+        spec_path = Path(spec["workdir"]) / "spec.json"
+        spec_path.write_text(json.dumps({**spec, "quants": todo, "head": spec["head"] if head is None else None}))
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        try:
+            proc = subprocess.run([sys.executable, "-m", "clef_gguf.models.speed_run", str(spec_path)],
+                                  capture_output=True, text=True, errors="replace", env=env, timeout=left)
+            out, tail = proc.stdout, proc.stderr[-2000:]
+        except subprocess.TimeoutExpired as exc:
+            out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+            tail = "the probe ran out of time"
+        for line in out.splitlines():
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                continue
+            if "head_seconds" in obj:
+                head = float(obj["head_seconds"])
+            elif obj.get("quant") in todo:
+                rows[obj["quant"]] = obj
+        done = [q for q in todo if q in rows]
+        rest = [q for q in todo if q not in rows]
+        if rest:  # the process ended (or timed out) inside rest[0]
+            rows[rest[0]] = {"quant": rest[0], "error": f"the probe process stopped: {tail.strip()[-200:]}"}
+            rest = rest[1:]
+        todo = rest if done or rest else []
+    return rows, head, tail
+
+
+def measure(family: str, quants: list[str], *, tokens: int = DEFAULT_TOKENS, threads: int,
+            gpu_layers: dict[str, int] | None = None, reprobe: bool = False, timeout: float = TIMEOUT_S,
+            workdir: Path | None = None, preset: str | None = None) -> SpeedTable | None:
+    """The speed table of ``quants`` (catalog spelling) for ``family`` on this machine, from the cache
+    unless ``reprobe``; None when the family has no confirmed shapes. ``gpu_layers``: per quant, -1
+    where the runtime would place that file on the GPU (``placement.gpu_layers``); absent: the CPU.
+    ``preset``: another ``convert.big`` shape (the accuracy check runs the ~110M ``small``)."""
+    preset = preset or preset_for(family)
+    if preset is None:
+        return None
+    if tokens < 1:
+        raise InvalidValue(f"--tokens must be at least 1 (got {tokens})", field="tokens")
+    wanted = [q.upper() for q in quants]
+    gpu_layers = {q: int((gpu_layers or {}).get(q, 0)) for q in wanted}
+    key = machine_key(preset, tokens, threads, gpu_layers)
+    known = None if reprobe else cached(key)
+    if known is not None and all(q in known.quants for q in wanted):
+        return known
+    p = preset_config(preset)
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="clef-gguf-speed-", dir=workdir) as tmp:
+        decoded = max(1, tokens - SYSTEM_PREFIX_TOKENS)
+        probed = list(dict.fromkeys(SAME_LAYERS.get(q, q) for q in wanted))
+        spec = {"workdir": tmp, "preset": preset, "quants": probed, "tokens": decoded, "threads": threads,
+                "gpu_layers": {SAME_LAYERS.get(q, q): n for q, n in gpu_layers.items()},
+                "rounds": ROUNDS, "probe_layers": p["interval"], "head": p["head"],
+                "head_tokens": tokens}  # the head reads every hidden state, the prefix's too
+        rows, head, tail = _run_child(spec, start + timeout)
+    if head is None:
+        raise InvalidValue(f"the speed probe failed before measuring anything: {tail.strip()[-300:]}",
+                           field="probe")
+    scale = p["layers"] / p["interval"]
+    out = dict(known.quants) if known is not None else {}
+    for q in wanted:
+        row = rows.get(SAME_LAYERS.get(q, q)) or {"error": "not measured (the probe ran out of time)"}
+        if "error" in row:
+            out[q] = QuantSpeed(q, error=str(row["error"]))
+            continue
+        probe = tuple(float(s) for s in row["probe_seconds"])
+        tower = statistics.median(probe) * scale
+        out[q] = QuantSpeed(q, probe, round(tower, 4), round(tower + head, 4), round(decoded / tower, 2),
+                            bool(row.get("scaled")))
+    table = SpeedTable(family, preset, tokens, threads, gpu_layers, p["layers"], p["interval"], round(head, 4),
+                       out, key, datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                       round(time.monotonic() - start, 1))
+    _write_cache(table)
+    return table
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What ``--max-seconds`` / ``--prefer`` chose among the candidates, and why in words."""
+
+    quant: str | None
+    reason: str
+    considered: tuple[str, ...] = field(default=())
+
+
+def choose(rec: Recommendation, table: SpeedTable, *, max_seconds: float | None, prefer: str,
+           keeps: set[str] | None = None) -> Choice:
+    """Among the candidates that fit (and keep the eval's answers, when ``keeps``), those predicted
+    within ``max_seconds``: the most accurate (catalog order; with an eval, the smallest that keeps
+    them, as ``pick --eval`` chooses) or, ``prefer="speed"``, the fastest."""
+    if prefer not in PREFERENCES:
+        raise InvalidValue(f"--prefer must be one of {', '.join(PREFERENCES)} (got {prefer!r})", field="prefer")
+    fits = [c for c in rec.candidates if c.fits]
+    if keeps is not None:
+        fits = [c for c in fits if c.quant.upper() in keeps]
+    timed = [(c, s.seconds, s) for c in fits
+             if (s := table.get(c.quant)) is not None and s.seconds is not None]
+    within = [t for t in timed if max_seconds is None or t[1] <= max_seconds]
+    limit = f" within {max_seconds:g} s" if max_seconds is not None else ""
+    what = f"a decision of {table.tokens} tokens"
+    if not within:
+        if not timed:
+            return Choice(None, "No quant that fits has a measured speed: run pick without --no-probe.")
+        fastest = min(timed, key=lambda t: t[1])
+        return Choice(None, f"No quant that fits{' and keeps your answers' if keeps is not None else ''} "
+                            f"answers{limit}: the fastest, {fastest[0].quant}, is predicted at "
+                            f"{fastest[1]:.1f} s for {what} on this machine.")
+    if prefer == "speed":
+        best, seconds, speed = min(within, key=lambda t: t[1])
+        rule = "the fastest quant that fits"
+    elif keeps is not None:
+        best, seconds, speed = min(within, key=lambda t: t[0].size_bytes)
+        rule = "the smallest quant that fits and keeps the eval's answers"
+    else:
+        best, seconds, speed = within[0]
+        rule = "the most accurate quant that fits"
+    rate = f"{speed.tokens_per_second:.0f} prompt tokens/s, " if speed.tokens_per_second else ""
+    return Choice(best.quant, f"{best.quant} is {rule}{limit}: predicted {seconds:.1f} s for {what} "
+                              f"({rate}{table.threads} threads).",
+                  tuple(t[0].quant for t in within))
+
+
+def apply(rec: Recommendation, choice: Choice) -> Recommendation:
+    """``rec`` with ``choice``'s quant (and that candidate's placement and need)."""
+    if choice.quant is None:
+        return dataclasses.replace(rec, quant=None, source=None, placement=None, need_bytes=None,
+                                   reason=choice.reason)
+    best = next(c for c in rec.candidates if c.quant == choice.quant)
+    return dataclasses.replace(rec, quant=best.quant, source=best.source,
+                               placement="gpu" if best.fits_gpu else "cpu", need_bytes=best.need_bytes,
+                               reason=choice.reason)

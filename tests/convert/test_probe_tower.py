@@ -1,0 +1,73 @@
+"""The speed probe's tower: the skeleton's quantized types are the real file's, tensor for tensor, and the
+probe file loads in llama.cpp at the family's full shapes."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+
+from clef_gguf.convert import probe_tower, quantize
+from clef_gguf.convert.big import write_random_tower
+from clef_gguf.tower.llama_tower import Tower
+
+PRESET = "small"  # 12 layers 3:1, every row a multiple of 256: each layer-dependent rule applies
+
+
+@pytest.fixture(scope="module")
+def small_bf16(tmp_path_factory):
+    path = tmp_path_factory.mktemp("probe-real") / "small-bf16.gguf"
+    write_random_tower(path, preset=PRESET, outtype="bf16")
+    return path
+
+
+@pytest.fixture(scope="module")
+def skeleton(tmp_path_factory):
+    work = tmp_path_factory.mktemp("probe-skeleton")
+    path = work / "skeleton-bf16.gguf"
+    summary = probe_tower.write_skeleton(path, PRESET, work)
+    assert summary["layers"] == 12
+    return path
+
+
+def _block_types(path) -> dict[str, str]:
+    return {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors if t.name.startswith("blk.")}
+
+
+@pytest.mark.parametrize("quant", ["Q4_K_M", "Q3_K_M"])
+def test_the_skeleton_gets_the_real_files_type_for_every_block_tensor(small_bf16, skeleton, tmp_path, quant):
+    real = quantize.quantize_file(small_bf16, tmp_path / "real.gguf", quant)
+    assert real["tensor_types"]  # the mixes put some layers in wider types: the comparison means something
+    probed = quantize.quantize_file(skeleton, tmp_path / "skel.gguf", quant)
+    want, got = _block_types(tmp_path / "real.gguf"), _block_types(tmp_path / "skel.gguf")
+    assert want == got
+    assert len(set(want.values()) - {"F32"}) >= 2  # Q4_K and Q6_K (or Q3_K, Q4_K, Q5_K): a real mix
+    assert probed["seconds"] < real["seconds"]
+
+
+def test_the_probe_copies_layers_close_to_the_average_and_loads_at_full_shape(skeleton, tmp_path):
+    quantize.quantize_file(skeleton, tmp_path / "skel.gguf", "Q4_K_M")
+    stored = probe_tower.read_quantized(tmp_path / "skel.gguf")
+    sources = probe_tower.choose_layers(stored, PRESET, 4)
+    assert len(sources) == 4 and sources[3] % 4 == 3 and all(s % 4 != 3 for s in sources[:3])
+    # The chosen linear layers' ffn_down bytes are the closest any three give to 3x the average.
+    down = {i: stored[f"blk.{i}.ffn_down.weight"].row_bytes for i in range(12) if i % 4 != 3}
+    mean = sum(down.values()) / len(down)
+    assert abs(sum(down[s] for s in sources[:3]) - 3 * mean) <= max(down.values()) - min(down.values())
+    written = probe_tower.write_probe(tmp_path / "probe.gguf", stored, PRESET, sources, tmp_path)
+    assert written["layers"] == 4
+    tensors = {t.name: t for t in gguf.GGUFReader(str(tmp_path / "probe.gguf")).tensors}
+    up = tensors["blk.0.ffn_up.weight"]
+    assert [int(n) for n in up.shape] == [512, 1536]  # ne: 512 wide, the full 1,536 rows
+    assert up.tensor_type.name == stored[f"blk.{sources[0]}.ffn_up.weight"].qtype.name
+    with Tower.load(tmp_path / "probe.gguf", threads=1) as tower:
+        assert tower.n_layer == 4 and tower.n_embd == 512
+        hidden = tower.hidden_states(np.arange(300, 364, dtype=np.int32))
+    assert hidden.shape == (64, 512) and np.isfinite(hidden).all()
+
+
+def test_a_probe_needs_the_skeletons_tensors(skeleton, tmp_path):
+    stored = probe_tower.read_quantized(skeleton)
+    del stored["blk.0.ffn_up.weight"]
+    with pytest.raises(Exception, match="blk.0.ffn_up.weight"):
+        probe_tower.write_probe(tmp_path / "probe.gguf", stored, PRESET, [0, 1, 2, 3], tmp_path)

@@ -1,0 +1,179 @@
+"""``pick``'s speed probe: the choice rules on a faked probe result, and the real probe (at the ~110M
+preset's shapes, so it takes seconds) through pick's command line, its cache and its refusals."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import pytest
+
+from _gpus import X86
+from clef_gguf.core.errors import InvalidValue
+from clef_gguf.models import pick, speed
+from clef_gguf.models.machine import GiB, DeviceProfile
+from clef_gguf.models.placement import recommend
+
+BOX = DeviceProfile(32 * GiB, 26 * GiB, 2, "x86_64", X86)
+SECONDS = {"Q8_0": 20.0, "Q6_K": 16.0, "Q5_K_M": 14.0, "Q4_K_M": 11.0, "IQ4_XS": 10.5, "Q2_K": 9.0}
+
+
+def fake_table(seconds: dict[str, float] = SECONDS, **kw) -> speed.SpeedTable:
+    quants = {q: speed.QuantSpeed(q, (s / 8,), s - 0.07, s, round(500 / (s - 0.07), 2)) for q, s in seconds.items()}
+    quants["IQ1_S"] = speed.QuantSpeed("IQ1_S", error="RuntimeError: no such type here")
+    return speed.SpeedTable(**{"family": "clef-flash", "preset": "flash9b", "tokens": 500, "threads": 2,
+                               "gpu_layers": {}, "layers": 32, "probe_layers": 4, "head_seconds": 0.07,
+                               "quants": quants, "key": "k", "measured_at": "now", "took_seconds": 60.0, **kw})
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    pick.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+@pytest.fixture
+def faked(monkeypatch):
+    """pick on a fixed 32 GiB box with a faked probe; returns the calls the probe got."""
+    calls = []
+
+    def measure(family, quants, **kw):
+        calls.append((family, list(quants), kw))
+        return fake_table()
+    monkeypatch.setattr(pick, "probe", lambda **_: BOX)
+    monkeypatch.setattr(speed, "measure", measure)
+    return calls
+
+
+def test_max_seconds_takes_the_most_accurate_quant_within_the_limit(faked, capsys):
+    assert pick.run(parse("--max-seconds", "12")) == 0
+    out = capsys.readouterr().out
+    assert "Recommended: clef-flash:Q4_K_M (on CPU)" in out
+    assert "Q4_K_M is the most accurate quant that fits within 12 s: predicted 11.0 s" in out
+    assert "Speed here: one decision of 500 prompt tokens with 2 threads, measured now in 60 s." in out
+    row = next(line for line in out.splitlines() if line.strip().startswith("Q8_0 "))
+    assert row.split()[-2:] == ["20.0", "25"]
+    assert "probe failed: RuntimeError: no such type here" in out
+    family, quants, kw = faked[0]
+    assert family == "clef-flash" and "Q4_K_M" in quants and "BF16" not in quants  # BF16 is never CPU-fit
+    assert kw["tokens"] == 500 and kw["threads"] >= 1 and not kw["reprobe"]
+
+
+def test_prefer_speed_takes_the_fastest_and_json_has_the_table(faked, capsys):
+    assert pick.run(parse("--prefer", "speed", "--json", "--tokens", "800", "--threads", "1", "--reprobe")) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["recommendation"]["quant"] == "Q2_K"
+    assert "fastest quant that fits" in data["recommendation"]["reason"]
+    rows = {r["quant"]: r for r in data["table"]}
+    assert rows["Q6_K"]["seconds"] == 16.0 and rows["Q6_K"]["fits"] and rows["BF16"]["seconds"] is None
+    assert data["speed"]["head_seconds"] == 0.07
+    _, _, kw = faked[0]
+    assert kw["tokens"] == 800 and kw["threads"] == 1 and kw["reprobe"]
+
+
+def test_nothing_within_the_limit_names_the_fastest_and_exits_1(faked, capsys):
+    assert pick.run(parse("--max-seconds", "5")) == 1
+    out = capsys.readouterr().out
+    assert "Recommended: nothing fits" in out
+    assert "No quant that fits answers within 5 s: the fastest, Q2_K, is predicted at 9.0 s" in out
+
+
+def test_with_eval_the_time_limit_applies_to_the_quants_that_keep_the_answers():
+    rec = recommend(BOX, "clef-flash")
+    table = fake_table()
+    choice = speed.choose(rec, table, max_seconds=15, prefer="quality", keeps={"Q8_0", "Q5_K_M", "Q4_K_M"})
+    assert choice.quant == "Q4_K_M" and "smallest quant that fits and keeps" in choice.reason
+    assert speed.choose(rec, table, max_seconds=None, prefer="speed", keeps={"Q8_0", "Q6_K"}).quant == "Q6_K"
+    assert speed.choose(rec, table, max_seconds=1, prefer="quality", keeps={"Q8_0"}).quant is None
+    with pytest.raises(InvalidValue) as err:
+        speed.choose(rec, table, max_seconds=None, prefer="fast")
+    assert err.value.field == "prefer"
+
+
+def test_eval_and_max_seconds_together_on_the_command_line(faked, tmp_path, capsys):
+    models = [{"label": q, "info": {"quant": q.lower(), "calibration_version": "none"},
+               **({"agreement": {"overall": {"n": 400, "top1": t}}} if t is not None else {})}
+              for q, t in (("Q8_0", None), ("Q6_K", 0.998), ("Q4_K_M", 0.995), ("Q2_K", 0.91))]
+    (tmp_path / "summary.json").write_text(json.dumps({"models": models}))
+    # Q4_K_M is the smallest that keeps >= 0.99, and it answers within 12 s: chosen.
+    assert pick.run(parse("--eval", str(tmp_path), "--min-agreement", "0.99", "--max-seconds", "12")) == 0
+    out = capsys.readouterr().out
+    assert "Recommended: clef-flash:Q4_K_M" in out and "smallest quant that fits and keeps" in out
+    row = next(line for line in out.splitlines() if line.strip().startswith("Q2_K "))
+    assert row.split()[-3:] == ["9.0", "56", "0.9100"]  # seconds, tok/s, agreement
+    # Within 10 s only Q2_K answers, and it does not keep the answers: nothing is recommended.
+    assert pick.run(parse("--eval", str(tmp_path), "--min-agreement", "0.99", "--max-seconds", "10")) == 1
+    assert "No quant that fits and keeps your answers answers within 10 s" in capsys.readouterr().out
+
+
+def test_no_probe_prints_memory_only_and_refuses_what_needs_the_probe(faked, capsys):
+    assert pick.run(parse("--no-probe")) == 0
+    out = capsys.readouterr().out
+    assert "seconds" not in out and "Recommended: clef-flash:" in out and not faked
+    for argv, field in ((["--no-probe", "--max-seconds", "3"], "no_probe"),
+                        (["--no-probe", "--prefer", "speed"], "no_probe"),
+                        (["--no-probe", "--reprobe"], "reprobe"),
+                        (["--quants", "Q4_K_M,Q9_9"], "quants")):
+        with pytest.raises(InvalidValue) as err:
+            pick.run(parse(*argv))
+        assert err.value.field == field, argv
+    assert "Q9_9" in str(err.value)
+
+
+@pytest.mark.parametrize("argv, words", [(["--max-seconds", "-1"], "must be >= 0 seconds"),
+                                         (["--tokens", "0"], "must be"), (["--prefer", "fast"], "invalid choice")])
+def test_bad_flags_are_refused_by_the_parser(argv, words, capsys):
+    with pytest.raises(SystemExit):
+        parse(*argv)
+    assert words in capsys.readouterr().err
+
+
+def test_a_family_without_confirmed_shapes_has_no_probe(monkeypatch, capsys):
+    monkeypatch.setattr(pick, "probe", lambda **_: DeviceProfile(128 * GiB, 120 * GiB, 2, "x86_64", X86))
+    assert speed.measure("clef", ["Q4_K_M"], threads=2) is None
+    assert pick.run(parse("--family", "clef")) == 0
+    assert "Speed: no probe for clef (its tower shapes are not confirmed); memory only." in capsys.readouterr().out
+    with pytest.raises(InvalidValue) as err:
+        pick.run(parse("--family", "clef", "--max-seconds", "30"))
+    assert err.value.field == "family"
+
+
+# ---------------------------------------------------------------------------------------------- the real probe
+
+@pytest.fixture
+def small_family(monkeypatch, tmp_path):
+    """The real probe at the ~110M preset's shapes (12 layers 3:1) under clef-flash's name; its own cache."""
+    monkeypatch.setattr(speed, "PRESETS", {"clef-flash": "small"})
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setattr(pick, "probe", lambda **_: BOX)
+
+
+def test_the_real_probe_times_each_quant_and_keeps_the_result(small_family, capsys):
+    assert pick.run(parse("--quants", "Q4_K_M,Q8_0,IQ2_XXS,Q6_K_L", "--tokens", "128", "--threads", "1",
+                          "--json")) == 0
+    data = json.loads(capsys.readouterr().out)
+    table = data["speed"]
+    assert table["preset"] == "small" and table["layers"] == 12 and table["probe_layers"] == 4
+    assert not table["cached"] and 0 < table["head_seconds"] < 5
+    for quant in ("Q4_K_M", "Q8_0", "IQ2_XXS", "Q6_K_L"):
+        row = table["quants"][quant]
+        assert row["error"] is None, row
+        assert len(row["probe_seconds"]) == speed.ROUNDS and row["seconds"] > row["tower_seconds"] > 0
+        assert row["tower_seconds"] == pytest.approx(statistics.median(row["probe_seconds"]) * 12 / 4, abs=1e-3)
+    assert speed.cache_path().is_file()
+    # The second pick reads the kept result: no process, same numbers, said so.
+    assert pick.run(parse("--quants", "Q4_K_M,Q8_0", "--tokens", "128", "--threads", "1")) == 0
+    out = capsys.readouterr().out
+    assert "kept from" in out and "--reprobe measures again" in out
+    again = speed.measure("clef-flash", ["Q8_0"], tokens=128, threads=1)
+    assert again.cached and again.quants["Q8_0"].seconds == table["quants"]["Q8_0"]["seconds"]
+    # Another token count or thread count is another measurement.
+    assert speed.machine_key("small", 128, 1, {}) != speed.machine_key("small", 129, 1, {})
+    assert speed.machine_key("small", 128, 1, {}) != speed.machine_key("small", 128, 2, {})
+
+
+def test_a_quant_the_build_cannot_make_is_that_rows_error_not_the_probes(small_family):
+    table = speed.measure("clef-flash", ["Q4_0", "Q7_X"], tokens=64, threads=1)
+    assert table.quants["Q4_0"].seconds > 0
+    assert "Q7_X is not a type this llama.cpp build quantizes to" in table.quants["Q7_X"].error
