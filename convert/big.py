@@ -50,6 +50,21 @@ BIG_PRESETS: dict[str, dict] = {
                     head=dict(hidden_size=4096, width=1024, routing_layers=2, layers=4, heads=16,
                               feedforward=4096)),
 }
+# Clef-Flash's vision tower (Qwen3.5-9B's vision_config: 27 blocks, width 1152, 456M parameters) and
+# Qwen3-VL's published processor settings (16-pixel patches merged 2x2: one token per 32x32 pixels; a
+# 448x448 picture keeps its size, 196 tokens). ``--vision`` writes a random one beside the tower.
+FLASH_VISION = {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16, "patch_size": 16,
+                "spatial_merge_size": 2, "temporal_patch_size": 2, "num_position_embeddings": 2304,
+                "in_channels": 3}
+_FLASH_PROCESSOR = {"patch_size": 16, "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
+                    "image_std": [0.5, 0.5, 0.5], "processor_class": "Qwen3VLProcessor"}
+FLASH_PROCESSORS = {
+    "preprocessor_config.json": {**_FLASH_PROCESSOR, "size": {"shortest_edge": 65536, "longest_edge": 16777216},
+                                 "image_processor_type": "Qwen2VLImageProcessorFast"},
+    "video_preprocessor_config.json": {**_FLASH_PROCESSOR, "size": {"shortest_edge": 4096,
+                                                                    "longest_edge": 25165824},
+                                       "video_processor_type": "Qwen3VLVideoProcessor"},
+}
 # Tensors with more values than this are drawn in row blocks of at most this many values.
 CHUNK_ELEMENTS = 1 << 26
 # Bytes per value of the tower written, for the free-disk check. Every llama.cpp quant counts as
@@ -188,6 +203,25 @@ def write_random_tower(path, *, preset: str = "flash9b", outtype: str = "bf16", 
             "bytes": Path(path).stat().st_size, "seconds": round(time.perf_counter() - start, 1)}
 
 
+def write_random_vision(out: Path, p: dict, seed: int = 0) -> dict[str, str]:
+    """A random vision tower of Clef-Flash's shape in ``out`` (``vision_config.json``, bf16
+    ``vision.safetensors`` as the release stores it, the processor files); the manifest's entry."""
+    from safetensors.torch import save_file
+
+    from clef_gguf.vision import load as vision_load
+
+    gen = torch.Generator().manual_seed(seed + 1)  # not the tower's stream: the tower stays as it was
+    tensors = {name.removeprefix("model.visual."): tiny._init(shape, rule, gen).to(torch.bfloat16)
+               for name, shape, rule in tiny._vision_tensors(p, FLASH_VISION)}
+    save_file(tensors, str(out / vision_load.VISION_WEIGHTS), metadata={"format": "pt"})
+    config = {"model_type": "qwen3_5_vision", "hidden_act": "gelu_pytorch_tanh", "out_hidden_size": p["hidden"],
+              "initializer_range": 0.02, **FLASH_VISION}
+    (out / vision_load.VISION_CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    for name, settings in FLASH_PROCESSORS.items():
+        (out / name).write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
+    return {"weights": vision_load.VISION_WEIGHTS, "config": vision_load.VISION_CONFIG}
+
+
 def _free_bytes(out: Path) -> int:
     base = out.absolute()
     while not base.is_dir():
@@ -204,8 +238,9 @@ def needed_bytes(p: dict, outtype: str) -> tuple[int, int]:
 
 
 def build_random_model(out, *, preset: str = "flash9b", outtype: str = "Q4_K_M", seed: int = 0,
-                       layers: int | None = None, threads: int | None = None) -> dict:
-    """A clef-gguf model directory ``out`` (tower, head files, tokenizer, manifest); returns a summary."""
+                       layers: int | None = None, threads: int | None = None, vision: bool = False) -> dict:
+    """A clef-gguf model directory ``out`` (tower, head files, tokenizer, manifest; ``vision``: a
+    random vision tower of Clef-Flash's shape too); returns a summary."""
     outtype = quantize.canonical_outtype(outtype)
     p = preset_config(preset, layers)
     out = Path(out)
@@ -225,6 +260,11 @@ def build_random_model(out, *, preset: str = "flash9b", outtype: str = "Q4_K_M",
         t0 = time.perf_counter()
         tiny._write_head(stage, p["head"], seed)
         timings["head_s"] = round(time.perf_counter() - t0, 1)
+        vision_files: tuple[str, ...] = ()
+        if vision:
+            t0 = time.perf_counter()
+            vision_files = tuple(write_random_vision(stage, p, seed).values())
+            timings["vision_s"] = round(time.perf_counter() - t0, 1)
         tower = f"tower-{outtype}.gguf"
         if outtype in tm.OUTTYPES:
             written = write_random_tower(stage / tower, preset=preset, outtype=outtype, seed=seed,
@@ -246,7 +286,7 @@ def build_random_model(out, *, preset: str = "flash9b", outtype: str = "Q4_K_M",
         files.write_manifest(stage, name, outtype,
                              {"tower": tower, "head_weights": files.HEAD_WEIGHTS,
                               "head_config": files.HEAD_CONFIG, "tokenizer": files.TOKENIZER},
-                             extra={"source": source})
+                             extra={"source": source}, also=vision_files)  # the vision cache's keys
         tower_bytes = (stage / tower).stat().st_size
     timings["total_s"] = round(time.perf_counter() - start, 1)
     return {"model_dir": str(out), "tower": str(out / tower), "outtype": outtype, "preset": preset,
@@ -265,10 +305,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, help="write only this many blocks (a multiple of 4), "
                     "same shapes: time a short run before the full one")
     ap.add_argument("--threads", type=int, help="quantizer threads (default: all available)")
+    ap.add_argument("--vision", action="store_true", help="also a random vision tower of Clef-Flash's shape "
+                    "(27 blocks, width 1152; 0.9 GB bf16) and its processor files, for `bench --picture`")
     args = ap.parse_args(argv)
     print(f"clef_gguf.convert.big: {RANDOM_WARNING}", file=sys.stderr)
     summary = build_random_model(args.out, preset=args.preset, outtype=args.outtype, seed=args.seed,
-                                 layers=args.layers, threads=args.threads)
+                                 layers=args.layers, threads=args.threads, vision=args.vision)
     print(json.dumps(summary, indent=2))
     return 0
 

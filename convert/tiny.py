@@ -204,8 +204,9 @@ def _decoder_layer(pre: str, p: dict, kind: str, out_scale: float) -> list[tuple
     return out
 
 
-def _vision_tensors(p: dict) -> list[tuple]:
-    v, pre, w = _TINY_VISION, "model.visual.", ("normal", 0.02)
+def _vision_tensors(p: dict, vision: dict | None = None) -> list[tuple]:
+    """The release's ``model.visual.*`` tensors for the vision config ``vision`` (default: the tiny one)."""
+    v, pre, w = vision or _TINY_VISION, "model.visual.", ("normal", 0.02)
     D, I, merged = v["hidden_size"], v["intermediate_size"], v["hidden_size"] * v["spatial_merge_size"] ** 2  # noqa: E741
     patch = [D, v["in_channels"], v["temporal_patch_size"], v["patch_size"], v["patch_size"]]
     out = [(pre + "patch_embed.proj.weight", patch, w), (pre + "patch_embed.proj.bias", [D], ("zeros", 0)),

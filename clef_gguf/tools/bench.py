@@ -74,6 +74,39 @@ def measure(clef, request: dict, repeat: int) -> dict:
             "median_ms": {s: round(statistics.median(r[s] for r in runs), 2) for s in stages}}
 
 
+def with_picture(request: dict, size: int) -> dict:
+    """``request`` with one ``size`` x ``size`` picture (seeded noise, PNG data URI): what the vision
+    tower costs depends on its pixels' count, not on what they show."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(0).integers(0, 256, (size, size, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return {**request, "images": ["data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()]}
+
+
+def measure_picture(clef, request: dict, repeat: int) -> dict:
+    """The stage split of a decision carrying a picture, every run cold (state and vision caches
+    emptied), and the picture's share of it: vision ms / total ms per run, median and range."""
+    def once() -> dict:
+        clef.state_cache.clear()
+        if clef.media.cache is not None:
+            clef.media.cache.clear()
+        return clef.run(clef.prepare(request))[1]
+    once()  # warm-up: loads the vision tower, pages in the tower
+    runs = [once() for _ in range(repeat)]
+    stages = ("encode", "vision", "tower", "lexical", "head", "answer", "total")
+    shares = [r["vision"] / r["total"] for r in runs]
+    return {"tokens": runs[0]["tokens"], "questions": list(request["questions"]), "repeat": repeat,
+            "median_ms": {s: round(statistics.median(r[s] for r in runs), 2) for s in stages},
+            "picture_share": {"median": round(statistics.median(shares), 4), "min": round(min(shares), 4),
+                              "max": round(max(shares), 4)}}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from clef_gguf.runtime.flags import add_model_arguments
 
@@ -81,6 +114,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=positive_int, default=400, help="prompt size to aim for (default 400)")
     p.add_argument("--repeat", type=positive_int, default=5,
                    help="measured runs after one warm-up (default 5)")
+    p.add_argument("--picture", type=positive_int, metavar="SIZE",
+                   help="add one SIZE x SIZE picture to the request (448: 196 tokens on Clef-Flash); the "
+                        "split then has the vision stage, every run is cold (state and vision caches "
+                        "emptied), and picture_share is the vision tower's part of the whole decision "
+                        "per run (median, min-max); --tokens counts the picture's tokens too")
     p.add_argument("--versus", choices=["prefill", "reuse", "transformers", "llama-server", "packed"],
                    help="instead of the stage split, a side-by-side ratio (alternating rounds, "
                         "median and spread): prefill = a decision vs a bare llama.cpp prefill of "
@@ -139,8 +177,17 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps(result, indent=2))
             return 0
         clef.state_cache = StateCache(0)  # the cost of a decision, not of a cache hit
-        request = sized_request(clef, args.tokens)
-        result = measure(clef, request, args.repeat)
+        if args.picture:
+            if not clef.media.available:
+                raise InvalidValue(f"{clef.info['name']} has no vision tower: --picture needs one", field="picture")
+            bare = with_picture({"state": "", "questions": {"refund": QUESTIONS["refund"]}}, args.picture)
+            picture_tokens = clef.prepare(bare).encoded.n_tokens - clef.prepare({**bare, "images": []}).encoded.n_tokens
+            request = with_picture(sized_request(clef, max(1, args.tokens - picture_tokens)), args.picture)
+            result = measure_picture(clef, request, args.repeat) | {"picture": args.picture,
+                                                                  "picture_tokens": picture_tokens}
+        else:
+            request = sized_request(clef, args.tokens)
+            result = measure(clef, request, args.repeat)
         if result["tokens"] > args.tokens:  # say so rather than silently measure something else
             result["note"] = (f"the questions alone take {result['tokens']} tokens with this "
                               f"tokenizer, more than --tokens {args.tokens}")

@@ -58,3 +58,24 @@ def test_bench_versus_packed(tiny_model_dir):
         assert out["ratio_min"] <= out["ratio_median"] <= out["ratio_max"]
         assert out["max_abs_dh"] == 0.0 and out.get("max_abs_dp", 0.0) == 0.0
         assert "2" in out["packed_decodes_per_round"]
+
+
+def test_bench_picture_reports_the_vision_share(tiny_model_dir, tmp_path):
+    """``--picture``: the decision carries one picture, the split has the vision stage and the picture's
+    share of each cold run (no timing is asserted, only that the share is one)."""
+    proc = subprocess.run(["clef-gguf", "bench", "--model", str(tiny_model_dir), "--tokens", "400",
+                           "--repeat", "2", "--picture", "64"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert "vision" in out["median_ms"] and out["median_ms"]["vision"] > 0
+    assert out["picture"] == 64 and out["picture_tokens"] > 0 and out["tokens"] <= 400
+    share = out["picture_share"]
+    assert 0 < share["min"] <= share["median"] <= share["max"] < 1
+    text_only = tmp_path / "text-only"
+    text_only.mkdir()
+    for f in tiny_model_dir.iterdir():
+        if f.is_file() and not f.name.startswith("vision"):
+            (text_only / f.name).symlink_to(f)
+    refused = subprocess.run(["clef-gguf", "bench", "--model", str(text_only), "--picture", "64"],
+                             capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and json.loads(refused.stdout)["error"]["field"] == "picture"
