@@ -38,6 +38,7 @@ class MediaSupport:
     threads: int | None = None
     cache: VisionCache | None = None  # the vision tower's outputs for pixels seen before (None: none kept)
     known_sha256: Callable[[Path], str | None] = _unknown  # the model's recorded hashes (the cache keys)
+    engine: str = "exact"  # how the vision tower runs (--vision-engine: clef_gguf.vision.engines)
     _tower: VisionTower | None = field(default=None, repr=False)
     _cached: CachedVision | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -48,10 +49,10 @@ class MediaSupport:
 
     @classmethod
     def of(cls, found: ModelFiles, backend: str, *, threads: int | None = None,
-           cache: VisionCache | None = None) -> MediaSupport:
+           cache: VisionCache | None = None, engine: str = "exact") -> MediaSupport:
         """The media support of a model: a vision tower (``vision_config.json`` + ``vision.safetensors``,
         written by ``convert`` beside the tower or by ``pull`` into ``found.vision``) and processor settings;
-        ``cache``: where its outputs are kept for pixels seen again."""
+        ``cache``: where its outputs are kept for pixels seen again; ``engine``: how the tower runs."""
         from clef_gguf.formats.files import VISION_CONFIG
 
         if backend == "nvfp4":  # a checkpoint keeps the release's vision tensors as stored
@@ -68,7 +69,7 @@ class MediaSupport:
         processor = load_processor_config(directory)
         if processor is None:
             return cls.none(f"{directory} has no processor settings (preprocessor_config.json)")
-        return cls(processor, directory, "", threads, cache, found.known_sha256)
+        return cls(processor, directory, "", threads, cache, found.known_sha256, engine)
 
     @property
     def available(self) -> bool:
@@ -84,7 +85,7 @@ class MediaSupport:
         assert self.vision_dir is not None
         with self._lock:
             if self._tower is None:
-                self._tower = VisionTower.load(self.vision_dir, threads=self.threads)
+                self._tower = VisionTower.load(self.vision_dir, threads=self.threads, engine=self.engine)
             return self._tower
 
     def cached_vision(self) -> CachedVision:

@@ -113,12 +113,13 @@ def load(settings: LoadSettings, make: Callable[..., M]) -> Models[M]:
                 "lm_head_avoided": tower.uses_nextn, "gpu_layers": tower.gpu_layers,
                 "threads": tower.threads, "head_threads": torch.get_num_threads(), "strict": settings.strict,
                 "state_cache_mb": settings.state_cache_mb, "vision_cache_mb": settings.vision_cache_mb,
-                "calibration_version": provenance.calibration_version}
+                "vision_engine": settings.vision_engine, "calibration_version": provenance.calibration_version}
         info |= tower.details()  # the backend's own facts (nvfp4: kernel, device)
         log.info("loaded %s (%s, n_embd %d) on %s, head scalars %s", found.tower.name, opened.quant,
                  tower.n_embd, "the GPU" if tower.gpu_layers else "the CPU", head_scalars(joint))
         media = media_support.MediaSupport.of(found, opened.backend, threads=tower.threads,
-                                              cache=VisionCache(int(settings.vision_cache_mb * MiB)))
+                                              cache=VisionCache(int(settings.vision_cache_mb * MiB)),
+                                              engine=settings.vision_engine)
         base = make(found, tower, lexical, joint, encoder, provenance, info | {"vision": media.describe()},
                     strict=settings.strict, state_cache=StateCache(int(settings.state_cache_mb * MiB)),
                     media=media, settings=settings)

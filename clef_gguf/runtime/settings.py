@@ -21,7 +21,7 @@ from pydantic import Field
 from clef_gguf.core import errors
 from clef_gguf.core import argtypes
 from clef_gguf.core.cpus import available_cpus
-from clef_gguf.core.limits import CONTEXT_WINDOW, VISION_CACHE_MB
+from clef_gguf.core.limits import CONTEXT_WINDOW, VISION_CACHE_MB, VisionEngine
 from clef_gguf.formats.calibration import Calibration
 from clef_gguf.tower.cache import DEFAULT_MB
 
@@ -90,6 +90,11 @@ class LoadSettings(pydantic.BaseModel):
         "memory for reusing the vision tower's output: a picture seen before is not run through the "
         "vision tower again, whatever state or questions come with it "
         f"(default {VISION_CACHE_MB} MiB, ~80 Clef-Flash pictures of 448x448; 0 turns it off)"))
+    vision_engine: VisionEngine = Field(default="exact", description=(
+        "how the vision tower runs: exact (default: fp32, the reference's numerics; ~2.3 s for a 448x448 "
+        "picture at Clef-Flash's shape on 2 cores) or int8 (its blocks' matmuls in dynamic int8: ~2x faster; "
+        "answers within max |dp| 4.5e-4 of exact on the test releases, but its vision rows move ~4 in 100 "
+        "at Clef-Flash's shape: docs/media.md)"))
     strict: Annotated[bool, Flag(action="store_true")] = Field(default=False, description=(
         "refuse what the reference ignores: unknown keys (unknown_field), a \"model\" this process "
         "does not serve (unknown_model), and apply Jev's limits (1-64 questions, 2-255 choice "

@@ -7,10 +7,11 @@ tokens need the picture's embeddings: this cache holds them, so the vision tower
 however many requests ask about it.
 
 A key names everything the output depends on: the processed pixel values and their grids (t, h, w),
-the engine and its dtype, and the vision weights' identity. An entry is the tower's output itself, so
-a hit gives the very rows a run would (answers byte-identical to a cold process's). The unit is one
-``VisionTower.embed`` call (a request's images, or its videos), as the tower is called: embedding each
-picture alone could round differently in the last bits from embedding them together.
+the engine that ran (``exact``, ``int8``: their outputs differ) and its dtype, and the vision weights'
+identity. An entry is the tower's output itself, so a hit gives the very rows a run would (answers
+byte-identical to a cold process's). The unit is one ``VisionTower.embed`` call (a request's images,
+or its videos), as the tower is called: embedding each picture alone could round differently in the
+last bits from embedding them together.
 """
 
 from __future__ import annotations
@@ -26,9 +27,6 @@ import torch
 from clef_gguf.core.limits import VISION_CACHE_MB as DEFAULT_MB
 from clef_gguf.core.lru import ByteLRU
 from clef_gguf.vision.encoder import VisionTower
-
-ENGINE = "torch"  # the one vision engine shipped (docs/media.md: why not llama.cpp's mtmd)
-
 
 def weights_identity(files: Iterable[Path], known_sha256: Callable[[Path], str | None]) -> str:
     """The vision weights' part of every key: each file's sha256 where the model's manifest recorded
@@ -85,7 +83,7 @@ class CachedVision:
     def __init__(self, tower: VisionTower, cache: VisionCache, weights: str) -> None:
         """``weights``: the tower's ``weights_identity``."""
         self.tower, self.cache = tower, cache
-        self._tag = f"{ENGINE}:{tower.dtype}:{weights}:".encode()
+        self._tag = f"{tower.engine}:{tower.dtype}:{weights}:".encode()
 
     def key(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, hashed: bytes | None = None) -> bytes:
         """``hashed``: ``pixels_digest(pixel_values, grid_thw)`` when the caller has it already (the

@@ -9,7 +9,7 @@ import torch
 
 from clef_gguf.core.cpus import check_threads, torch_threads
 from clef_gguf.core.errors import InferenceError, InvalidSetting
-from clef_gguf.vision import load
+from clef_gguf.vision import engines, load
 from clef_gguf.vision.model import VisionConfig, VisionModel
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -21,15 +21,20 @@ class VisionTower:
     the ``<|image_pad|>``/``<|video_pad|>`` ids, in their order. Owns its module and its thread count."""
 
     def __init__(self, model: VisionModel, *, source: Path, threads: int | None = None,
-                 files: tuple[Path, ...] = ()) -> None:
-        """``files``: the weight files the tensors were read from (what the vision cache's keys name)."""
+                 files: tuple[Path, ...] = (), engine: str = engines.DEFAULT) -> None:
+        """``files``: the weight files the tensors were read from (what the vision cache's keys name);
+        ``engine``: how ``model`` runs (``engines.apply`` made it so)."""
         self.model, self.source, self.threads, self.files = model, source, threads, files
+        self.engine = engines.check(engine)
 
     @classmethod
-    def load(cls, source: Source, dtype: torch.dtype = torch.float32, threads: int | None = None) -> VisionTower:
+    def load(cls, source: Source, dtype: torch.dtype = torch.float32, threads: int | None = None,
+             engine: str = engines.DEFAULT) -> VisionTower:
         """``source``: a converted model directory (``vision_config.json`` + ``vision.safetensors``), a Hugging
         Face release directory (``config.json`` + ``model*.safetensors``; only the vision tensors are read), or
-        the pair (vision config path, vision weights path). ``dtype``: float32 (exact) or bfloat16/float16."""
+        the pair (vision config path, vision weights path). ``dtype``: float32 (exact) or bfloat16/float16.
+        ``engine``: ``exact`` (the module as built) or ``int8`` (its blocks quantized; float32 only)."""
+        engines.check(engine)
         if dtype not in DTYPES:
             raise InvalidSetting(f"the vision tower runs in float32, bfloat16 or float16, not {dtype}", field="vision")
         check_threads(threads)
@@ -39,9 +44,9 @@ class VisionTower:
         else:
             where = Path(source)
             config, sources = load.sources(where)
-        model = load.build(config, load.read_tensors(sources, config), dtype)
+        model = engines.apply(load.build(config, load.read_tensors(sources, config), dtype), engine)
         files = tuple(sorted({path for path, _ in sources.values()}))
-        return cls(model, source=where, threads=threads, files=files)
+        return cls(model, source=where, threads=threads, files=files, engine=engine)
 
     @property
     def config(self) -> VisionConfig:

@@ -9,6 +9,11 @@ The math of transformers' ``Qwen3_5VisionModel`` (the module the reference runs)
     x  += MLP(LN2(x)),   MLP = fc2 · gelu_tanh · fc1
     out = fc2 · gelu_erf · fc1 · concat₂ₓ₂(LN(x))   the merger: every m × m patch block becomes one token
 
+Kernels (the same arithmetic in fp32, summed in another order): every Linear runs through oneDNN's fp32
+kernel where PyTorch has it (``Linear``: ~2.4x MKL's sgemm at the blocks' sizes on a 2-core AVX-512
+CPU), and attention through SDPA's fused CPU kernel on [1, heads, N, head_dim], as transformers calls it
+(the 3-D call took SDPA's unfused math path, ~3x slower).
+
 The processor emits patches in merge-block order (for each m × m block of the frame, its patches in raster
 order), so tokens come out in the order they replace the ``<|image_pad|>``/``<|video_pad|>`` ids. No deepstack.
 """
@@ -75,6 +80,34 @@ def block_order(grid: torch.Tensor, m: int) -> torch.Tensor:
     return blocks.reshape(h * w, *rest)
 
 
+@functools.cache
+def onednn_linear() -> bool:
+    """Whether this PyTorch has oneDNN's fp32 linear kernel and it agrees with ``F.linear`` (checked once,
+    on a small case): a build without it, or a future one that changes it, falls back to ``F.linear``."""
+    try:
+        op = torch.ops.mkldnn._linear_pointwise
+        gen = torch.Generator().manual_seed(0)
+        x, w, b = (torch.randn(shape, generator=gen) for shape in ((5, 24), (7, 24), (7,)))
+        with torch.inference_mode():
+            return torch.backends.mkldnn.is_available() and \
+                bool(torch.allclose(op(x, w, b, "none", [], ""), F.linear(x, w, b), rtol=1e-4, atol=1e-5))
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (the same parameters) whose fp32 CPU inference runs through oneDNN's kernel (``onednn_linear``):
+    fp32 throughout (~5e-7 relative from a float64 product, as MKL's sgemm), another summation order.
+    Anything else (another dtype, autograd, another device, no oneDNN) is ``F.linear``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32 and x.device.type == "cpu" \
+                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)) \
+                and onednn_linear():
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
 def rope_inv_freq(c: VisionConfig) -> torch.Tensor:
     """Frequencies of the axial RoPE: head_dim / 4 of them, shared by the row and the column halves."""
     quarter = torch.arange(0, c.head_dim // 2, 2, dtype=torch.float32) / (c.head_dim // 2)
@@ -98,7 +131,7 @@ class PatchEmbed(nn.Module):
 
     def __init__(self, c: VisionConfig) -> None:
         super().__init__()
-        self.proj = nn.Linear(c.patch_dim, c.hidden_size)
+        self.proj = Linear(c.patch_dim, c.hidden_size)
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
         return self.proj(patches)
@@ -108,15 +141,17 @@ class Attention(nn.Module):
     def __init__(self, c: VisionConfig) -> None:
         super().__init__()
         self.num_heads = c.num_heads
-        self.qkv = nn.Linear(c.hidden_size, 3 * c.hidden_size)
-        self.proj = nn.Linear(c.hidden_size, c.hidden_size)
+        self.qkv = Linear(c.hidden_size, 3 * c.hidden_size)
+        self.proj = Linear(c.hidden_size, c.hidden_size)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, frames: list[int]) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(x).reshape(n, 3, self.num_heads, -1).unbind(1)  # each [N, heads, head_dim]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # Full (non-causal) attention inside each frame (a temporal patch), none across frames or images.
-        out = [F.scaled_dot_product_attention(qi.transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1))
+        # Full (non-causal) attention inside each frame (a temporal patch), none across frames or images;
+        # 4-D [1, heads, N, head_dim] as transformers calls it: SDPA's fused CPU kernel (3-D takes its math path).
+        out = [F.scaled_dot_product_attention(qi.transpose(0, 1)[None], ki.transpose(0, 1)[None],
+                                              vi.transpose(0, 1)[None])[0]
                for qi, ki, vi in zip(q.split(frames), k.split(frames), v.split(frames))]
         return self.proj(torch.cat(out, dim=1).transpose(0, 1).reshape(n, -1))
 
@@ -124,8 +159,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, c: VisionConfig) -> None:
         super().__init__()
-        self.linear_fc1 = nn.Linear(c.hidden_size, c.intermediate_size)
-        self.linear_fc2 = nn.Linear(c.intermediate_size, c.hidden_size)
+        self.linear_fc1 = Linear(c.hidden_size, c.intermediate_size)
+        self.linear_fc2 = Linear(c.intermediate_size, c.hidden_size)
         self.act = ACTIVATIONS[c.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -152,8 +187,8 @@ class Merger(nn.Module):
         super().__init__()
         self.merged_dim = c.merged_dim
         self.norm = nn.LayerNorm(c.hidden_size, eps=NORM_EPS)
-        self.linear_fc1 = nn.Linear(c.merged_dim, c.merged_dim)
-        self.linear_fc2 = nn.Linear(c.merged_dim, c.out_hidden_size)
+        self.linear_fc1 = Linear(c.merged_dim, c.merged_dim)
+        self.linear_fc2 = Linear(c.merged_dim, c.out_hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.norm(x).reshape(-1, self.merged_dim)

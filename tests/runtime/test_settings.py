@@ -37,6 +37,7 @@ def test_one_flag_per_field_with_the_fields_help():
     assert dests["head_dtype"].option_strings == ["--head-dtype", "--precision"]
     assert dests["allow_download"].option_strings == ["--offline"] and "never download" in dests["allow_download"].help
     assert dests["backend"].choices == ["auto", "gguf", "nvfp4"]
+    assert dests["vision_engine"].choices == ["exact", "int8"] and dests["vision_engine"].default == "exact"
 
 
 def test_the_test_drives_every_field(flags):
@@ -54,6 +55,7 @@ def test_defaults_of_the_command_line_and_the_python_api():
     ({"threads": 0}, "threads"), ({"threads": True}, "threads"), ({"head_threads": -1}, "head_threads"),
     ({"head_dtype": "fp8"}, "head_dtype"), ({"gpu_layers": -2}, "gpu_layers"), ({"backend": "onnx"}, "backend"),
     ({"state_cache_mb": -1}, "state_cache_mb"), ({"vision_cache_mb": -1}, "vision_cache_mb"),
+    ({"vision_engine": "fp16"}, "vision_engine"),
     ({"max_length": 0}, "max_length"), ({"bogus": 1}, "bogus"),
     ({"adapters": ["/x"]}, "adapters")])
 def test_bad_settings_name_their_field(values, field):
@@ -113,6 +115,7 @@ def test_every_flag_reaches_the_model_the_local_engine_loads(flags):
         assert {k: base.info[k] for k in expected_info(version)} == expected_info(version)
         assert base.state_cache.max_bytes == 7 << 20 and base.strict and base.calibration.version == version
         assert base.media.cache is not None and base.media.cache.max_bytes == 5 << 20
+        assert base.media.engine == "int8"
         assert str(base.head_dtype) == "torch.bfloat16" and base.tower.n_ctx == 1024
         assert base.settings.allow_download is False  # --offline
         assert models["ft"].settings == base.settings and models["ft"].provenance.fine_tune["name"] == "ft"

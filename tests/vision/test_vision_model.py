@@ -125,6 +125,30 @@ def test_bf16_is_close_to_fp32(strong_release):
     assert (a - b).abs().max().item() < 0.1 * a.abs().max().item()
 
 
+def test_the_linear_kernel_is_fp32_and_falls_back_where_it_cannot_run():
+    # model.Linear: oneDNN's fp32 kernel for inference where PyTorch has it; F.linear for anything else.
+    from clef_gguf.vision.model import Linear, onednn_linear
+
+    gen = torch.Generator().manual_seed(3)
+    layer = Linear(1152, 512)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(512, 1152, generator=gen) / 34)
+    x = torch.randn(200, 1152, generator=gen)
+    exact = torch.nn.functional.linear(x.double(), layer.weight.double(), layer.bias.double())
+    with torch.inference_mode():
+        got = layer(x)
+    assert got.dtype == torch.float32
+    assert ((got.double() - exact).norm() / exact.norm()).item() < 2e-6  # fp32 rounding, not bf16's 1e-3
+    assert onednn_linear() == torch.backends.mkldnn.is_available()  # this CPU build has it
+    x.requires_grad_(True)
+    y = layer(x)  # autograd: F.linear
+    y.sum().backward()
+    assert x.grad is not None and torch.equal(y, torch.nn.functional.linear(x, layer.weight, layer.bias))
+    half = Linear(8, 4).to(torch.bfloat16)
+    with torch.inference_mode():
+        assert half(torch.ones(3, 8, dtype=torch.bfloat16)).dtype == torch.bfloat16
+
+
 def test_threads_apply_during_embed_only(tiny_release):
     before = torch.get_num_threads()
     tower = VisionTower.load(tiny_release, threads=1)
