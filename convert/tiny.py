@@ -249,6 +249,22 @@ def tensor_specs(p: dict) -> list[tuple]:
     return specs
 
 
+def strong_vision_tensor(name: str, tensor: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """A vision tensor of a release redrawn at O(1) scale (the tests' and benches' "strong" releases:
+    the tiny release's own vision weights, ~0.02, barely move its answers): biases and norms spread by
+    0.3, positions unit, matrices (and the Conv3d kernel) unit gain over their fan-in."""
+    noise = torch.randn(tensor.shape, generator=gen)
+    if name.endswith(".bias"):
+        value = 0.3 * noise
+    elif "norm" in name:
+        value = 1.0 + 0.3 * noise
+    elif name.endswith("pos_embed.weight"):
+        value = noise
+    else:
+        value = noise / math.sqrt(tensor[0].numel())
+    return value.to(tensor.dtype)
+
+
 def _init(shape: list[int], rule: tuple, gen: torch.Generator) -> torch.Tensor:
     kind, scale = rule
     if kind == "zeros":

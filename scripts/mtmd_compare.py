@@ -52,7 +52,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -327,6 +326,8 @@ def strong_release(work: Path, release: Path) -> Path:
     grid would hardly move the embeddings; here it moves them by O(1)."""
     from safetensors.torch import load_file, save_file
 
+    from clef_gguf.convert.tiny import strong_vision_tensor
+
     out = work / "strong-release"
     if (out / "model.safetensors").is_file():
         return out
@@ -340,16 +341,7 @@ def strong_release(work: Path, release: Path) -> Path:
         for name, t in tensors.items():
             if not name.startswith("model.visual."):
                 continue
-            noise = torch.randn(t.shape, generator=gen)
-            if name.endswith(".bias"):
-                value = 0.3 * noise
-            elif "norm" in name:
-                value = 1.0 + 0.3 * noise
-            elif name.endswith("pos_embed.weight"):
-                value = noise
-            else:  # a matrix (or the Conv3d kernel): unit gain over its fan-in
-                value = noise / math.sqrt(t[0].numel())
-            tensors[name] = value.to(t.dtype)
+            tensors[name] = strong_vision_tensor(name, t, gen)  # the tests' "strong" release
         save_file(tensors, str(out / path.name), metadata={"format": "pt"})
     return out
 

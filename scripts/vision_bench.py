@@ -319,27 +319,16 @@ def parity_requests() -> list[dict]:
 def strengthen(release: Path, seed: int = 17) -> None:
     """Every vision tensor of ``release`` redrawn at O(1) scale, in place (tests/vision/test_vision_model.py's
     "strong" release): the tiny release's own vision weights (~0.02) barely move its answers."""
-    import math
-
     from safetensors.torch import load_file, save_file
+
+    from clef_gguf.convert.tiny import strong_vision_tensor
 
     gen = torch.Generator().manual_seed(seed)
 
-    def redraw(name: str, tensor: torch.Tensor) -> torch.Tensor:
-        noise = torch.randn(tensor.shape, generator=gen)
-        if name.endswith(".bias"):
-            value = 0.3 * noise
-        elif "norm" in name:
-            value = 1.0 + 0.3 * noise
-        elif name.endswith("pos_embed.weight"):
-            value = noise
-        else:  # a matrix (or the Conv3d kernel): unit gain over its fan-in
-            value = noise / math.sqrt(tensor[0].numel())
-        return value.to(tensor.dtype)
-
     for path in sorted(release.glob("*.safetensors")):
         tensors = load_file(str(path))
-        tensors = {n: redraw(n, t) if n.startswith("model.visual.") else t for n, t in tensors.items()}
+        tensors = {n: strong_vision_tensor(n, t, gen) if n.startswith("model.visual.") else t
+                   for n, t in tensors.items()}
         save_file(tensors, str(path), metadata={"format": "pt"})
 
 

@@ -7,14 +7,13 @@ resize or patch order moves the embeddings by O(1), not by noise.
 
 from __future__ import annotations
 
-import math
 import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from clef_gguf.convert.tiny import build_release
+from clef_gguf.convert.tiny import build_release, strong_vision_tensor
 from clef_gguf.core.errors import InferenceError, InvalidSetting
 from clef_gguf.vision import VisionTower
 
@@ -25,19 +24,6 @@ GRIDS = [([[1, 4, 4]], False), ([[1, 6, 8]], False), ([[1, 2, 6]], False),
 FP32_TOLERANCE = 1e-5
 
 
-def _strong(name: str, tensor: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    noise = torch.randn(tensor.shape, generator=gen)
-    if name.endswith(".bias"):
-        value = 0.3 * noise
-    elif "norm" in name:
-        value = 1.0 + 0.3 * noise
-    elif name.endswith("pos_embed.weight"):
-        value = noise
-    else:  # a matrix (or the Conv3d kernel): unit gain over its fan-in
-        value = noise / math.sqrt(tensor[0].numel())
-    return value.to(tensor.dtype)
-
-
 @pytest.fixture(scope="module")
 def strong_release(tiny_release, tmp_path_factory):
     out = tmp_path_factory.mktemp("vision-strong")
@@ -45,7 +31,7 @@ def strong_release(tiny_release, tmp_path_factory):
     for path in sorted(tiny_release.iterdir()):
         if path.suffix == ".safetensors":
             tensors = load_file(str(path))
-            tensors = {name: _strong(name, t, gen) if name.startswith("model.visual.") else t
+            tensors = {name: strong_vision_tensor(name, t, gen) if name.startswith("model.visual.") else t
                        for name, t in tensors.items()}
             save_file(tensors, str(out / path.name), metadata={"format": "pt"})
         else:
