@@ -57,8 +57,11 @@ def _tokenizer(bpe_vocab: int):
 
 
 def _cut(gguf_name: str, shape: list[int]) -> bool:
-    """A block matrix the skeleton holds as ``SKELETON_ROWS`` rows: a 2-D ``blk.N.*.weight`` of more than one row."""
-    return gguf_name.startswith("blk.") and len(shape) == 2 and shape[0] > 1 and gguf_name.endswith(".weight")
+    """A matrix the skeleton holds as ``SKELETON_ROWS`` rows: every 2-D weight of a block, and the
+    embedding and output matrices (quantizing even a small vocabulary's rows to an IQ type took seconds
+    per quant; their type depends on their name only)."""
+    named = gguf_name.startswith("blk.") or gguf_name in ("token_embd.weight", "output.weight")
+    return named and len(shape) == 2 and shape[0] > 1 and gguf_name.endswith(".weight")
 
 
 def _metadata_writer(p: dict, tok, tokenizer_json: Path, name: str) -> tuple[gguf.GGUFWriter, tm.Dims, list]:
@@ -134,7 +137,8 @@ def choose_layers(stored: dict[str, StoredTensor], preset: str, probe_layers: in
     full = preset_config(preset)
     _, _, items = plan(probe_preset(preset), "bf16", _tokenizer(full["bpe_vocab"]))
     rows = {it.gguf_name.split(".", 2)[2]: tm.output_shape(it.shape, it.edits)[0]
-            for it in items if it.gguf_name and _cut(it.gguf_name, tm.output_shape(it.shape, it.edits))}
+            for it in items if it.gguf_name and it.gguf_name.startswith("blk.")
+            and _cut(it.gguf_name, tm.output_shape(it.shape, it.edits))}
     kinds = _layer_kinds(full)
 
     def role_bytes(layer: int) -> dict[str, int]:

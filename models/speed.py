@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -50,6 +51,7 @@ PRESETS = {"clef-flash": "flash9b"}
 # and "_XL"): the probe never multiplies by those two matrices, so they time as their base type.
 SAME_LAYERS = {"Q6_K_L": "Q6_K", "Q5_K_L": "Q5_K_M", "Q4_K_L": "Q4_K_M", "Q3_K_XL": "Q3_K_L", "Q2_K_L": "Q2_K"}
 ROUNDS = 1  # timed prefills per quant after a short warm-up (the median of them, if more)
+SCRATCH_BYTES = 4 << 30  # /dev/shm must have this free to hold the probe's files
 TIMEOUT_S = 900  # the whole probe; one quant's hang must not hang pick
 
 
@@ -158,6 +160,17 @@ def cached(key: str) -> SpeedTable | None:
         return None
 
 
+def _scratch() -> str | None:
+    """Where the probe writes its files (up to ~1.7 GB each, deleted after): memory (``/dev/shm``) when it
+    has room, so that writing them costs no disk; else the default temporary directory."""
+    try:
+        if shutil.disk_usage("/dev/shm").free > SCRATCH_BYTES:
+            return "/dev/shm"
+    except OSError:
+        pass
+    return None
+
+
 def _run_child(spec: dict[str, Any], deadline: float) -> tuple[dict[str, dict], float | None, str]:
     """Run speed_run on ``spec``; (rows by quant, head seconds, stderr tail). A quant that killed
     the process is recorded as failed and the rest run in a fresh one."""
@@ -217,7 +230,7 @@ def measure(family: str, quants: list[str], *, tokens: int = DEFAULT_TOKENS, thr
         return known
     p = preset_config(preset)
     start = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="clef-gguf-speed-", dir=workdir) as tmp:
+    with tempfile.TemporaryDirectory(prefix="clef-gguf-speed-", dir=workdir or _scratch()) as tmp:
         decoded = max(1, tokens - SYSTEM_PREFIX_TOKENS)
         probed = list(dict.fromkeys(SAME_LAYERS.get(q, q) for q in wanted))
         spec = {"workdir": tmp, "preset": preset, "quants": probed, "tokens": decoded, "threads": threads,
