@@ -23,6 +23,7 @@ import numpy as np
 # and "_XL"): the probe never multiplies by those two matrices, so they time as their base type.
 SHORT = 16  # tokens of the warm-up prefill
 SLOW_S = 10.0  # a probe prefill predicted longer than this is timed on SHORT tokens and scaled
+CHEAP_S = 1.0  # one predicted shorter than this gets a full-length warm-up and three timed runs
 SAME_LAYERS = {"Q6_K_L": "Q6_K", "Q5_K_L": "Q5_K_M", "Q4_K_L": "Q4_K_M", "Q3_K_XL": "Q3_K_L", "Q2_K_L": "Q2_K"}
 
 
@@ -57,10 +58,16 @@ def _time_tower(path: Path, tokens: int, threads: int, gpu_layers: int, rounds: 
     with Tower.load(path, threads=threads, gpu_layers=gpu_layers) as tower:
         start = time.perf_counter()
         tower.hidden_states(short)  # also first-call allocations and kernel selection, off the clock
-        if (time.perf_counter() - start) * tokens / len(short) > SLOW_S:
+        estimate = (time.perf_counter() - start) * tokens / len(short)
+        if estimate > SLOW_S:
             start = time.perf_counter()
             tower.hidden_states(short)
             return [(time.perf_counter() - start) * tokens / len(short)], True
+        if estimate < CHEAP_S:
+            # A short prefill: the first full-length decode's own setup (its compute graph and buffers
+            # for that batch) is a large part of it, so one more warm-up and three timed runs.
+            tower.hidden_states(ids)
+            rounds = max(rounds, 3)
         seconds = []
         for _ in range(rounds):
             start = time.perf_counter()

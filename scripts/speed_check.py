@@ -60,7 +60,7 @@ def check(model: str, preset: str, tokens: int, threads: int, repeat: int) -> di
                                   reprobe=True, preset=preset)
             row = table.quants[quant]
             if row.error:
-                raise SystemExit(f"{model}: the probe failed for {quant}: {row.error}")
+                return {"model": model, "quant": quant, "error": row.error}
             predicted.append(row.seconds)
     finally:
         clef.close()
@@ -111,9 +111,10 @@ def main(argv: list[str] | None = None) -> int:
         models += small_set(args.small_set, args.types.split(","), args.threads)
     if not models:
         ap.error("give model directories or --small-set WORKDIR")
-    rows = [check(m, args.preset, args.tokens, args.threads, args.repeat) for m in models]
-    for row in rows:
-        print(json.dumps(row), file=sys.stderr)
+    rows = []
+    for m in models:
+        rows.append(check(m, args.preset, args.tokens, args.threads, args.repeat))
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     print(json.dumps({"preset": args.preset, "tokens": args.tokens, "threads": args.threads, "rows": rows}, indent=1))
     return 0
 

@@ -159,7 +159,8 @@ def test_the_real_probe_times_each_quant_and_keeps_the_result(small_family, caps
     for quant in ("Q4_K_M", "Q8_0", "IQ2_XXS", "Q6_K_L"):
         row = table["quants"][quant]
         assert row["error"] is None, row
-        assert len(row["probe_seconds"]) == speed.ROUNDS and row["seconds"] > row["tower_seconds"] > 0
+        # A cheap prefill (under speed_run.CHEAP_S, as these are) gets three timed runs.
+        assert len(row["probe_seconds"]) == 3 and row["seconds"] > row["tower_seconds"] > 0
         assert row["tower_seconds"] == pytest.approx(statistics.median(row["probe_seconds"]) * 12 / 4, abs=1e-3)
     assert speed.cache_path().is_file()
     # The second pick reads the kept result: no process, same numbers, said so.
