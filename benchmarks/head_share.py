@@ -10,23 +10,12 @@ import time
 
 import torch
 
-from clef_gguf.heads import random_head
+from clef_gguf.heads import random_head, synthetic_spans
+from clef_gguf.heads.load import BENCH_COUNTS
 
 FLASH = dict(hidden_size=4096, width=1024, routing_layers=2, layers=4, heads=16, feedforward=4096)
 TOKENS = 2000
-COUNTS = [2, 4, 5]  # bench's questions: a noul, a 4-way choice, a 5-level score
-
-
-def spans() -> tuple[list, list]:
-    """Question spans of 10 tokens and option spans of 12, laid out after the state."""
-    questions, options, pos = [], [], 1700
-    for count in COUNTS:
-        questions.append((pos, pos + 10))
-        pos += 14
-        for _ in range(count):
-            options.append((pos, pos + 12))
-            pos += 16
-    return questions, options
+COUNTS = list(BENCH_COUNTS)  # bench's questions: a noul, a 4-way choice, a 5-level score
 
 
 def main() -> None:
@@ -34,7 +23,7 @@ def main() -> None:
     torch.manual_seed(0)
     head = random_head(FLASH, seed=0).eval()
     hidden = torch.randn(TOKENS, FLASH["hidden_size"])
-    questions, options = spans()
+    questions, options = synthetic_spans(1700, COUNTS)  # after the state
     rows = torch.randn(sum(e - s for s, e in options), FLASH["hidden_size"])
     times = []
     with torch.inference_mode():

@@ -10,6 +10,7 @@ from clef_gguf.heads.load import (
     random_head,
     read_head_config,
     save_head,
+    synthetic_spans,
 )
 
 __all__ = [
@@ -25,4 +26,5 @@ __all__ = [
     "random_head",
     "read_head_config",
     "save_head",
+    "synthetic_spans",
 ]

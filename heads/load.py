@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -170,6 +170,28 @@ def save_head(head: JointSchemaHead, directory: str | Path, dtype: torch.dtype =
     save_file(state, str(directory / HEAD_WEIGHTS), metadata={"format": "pt"})
     (directory / HEAD_CONFIG).write_text(json.dumps(dict(head.config), indent=2) + "\n", encoding="utf-8")
     return directory
+
+
+# ``clef-gguf bench``'s questions as option counts: a noul, a 4-way choice, a 5-level score.
+BENCH_COUNTS = (2, 4, 5)
+
+
+Spans = list[tuple[int, int]]
+
+
+def synthetic_spans(start: int, counts: Sequence[int] = BENCH_COUNTS) -> tuple[Spans, Spans]:
+    """(question spans, option spans) laid out from token ``start``: each question 10 tokens, then its
+    options of 12 tokens each, a 4-token gap after every span; for timing a head without a prompt."""
+    questions: Spans = []
+    options: Spans = []
+    pos = start
+    for count in counts:
+        questions.append((pos, pos + 10))
+        pos += 14
+        for _ in range(count):
+            options.append((pos, pos + 12))
+            pos += 16
+    return questions, options
 
 
 def random_head(

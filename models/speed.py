@@ -201,12 +201,10 @@ def _run_child(spec: dict[str, Any], deadline: float) -> tuple[dict[str, dict], 
                 head = float(obj["head_seconds"])
             elif obj.get("quant") in todo:
                 rows[obj["quant"]] = obj
-        done = [q for q in todo if q in rows]
         rest = [q for q in todo if q not in rows]
         if rest:  # the process ended (or timed out) inside rest[0]
             rows[rest[0]] = {"quant": rest[0], "error": f"the probe process stopped: {tail.strip()[-200:]}"}
-            rest = rest[1:]
-        todo = rest if done or rest else []
+        todo = rest[1:]
     return rows, head, tail
 
 

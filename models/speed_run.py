@@ -81,17 +81,13 @@ def _time_head(config: dict, tokens: int, threads: int, rounds: int) -> float:
     (a noul, a 4-way choice, a 5-level score), as ``clef-gguf bench`` asks."""
     import torch
 
-    from clef_gguf.heads import random_head
+    from clef_gguf.heads import random_head, synthetic_spans
+    from clef_gguf.heads.load import BENCH_COUNTS
 
     torch.set_num_threads(threads)
-    counts, questions, options = [2, 4, 5], [], []
-    pos = max(0, tokens - 250)
-    for count in counts:
-        questions.append((pos, pos + 10))
-        pos += 14
-        for _ in range(count):
-            options.append((pos, pos + 12))
-            pos += 16
+    counts = list(BENCH_COUNTS)
+    questions, options = synthetic_spans(max(0, tokens - 250), counts)
+    pos = options[-1][1]
     head = random_head(config, seed=0).eval()
     hidden = torch.randn(max(tokens, pos), config["hidden_size"])
     rows = torch.randn(sum(e - s for s, e in options), config["hidden_size"])
