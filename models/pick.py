@@ -35,8 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "Before recommending, pick measures how long one decision takes here with each quant that fits: "
         "one interval of the family's decoder layers (3 linear-attention + 1 full-attention, at the real "
         "shapes, in each quant's tensor types) is prefilled through this llama.cpp build with the "
-        "runtime's threads, scaled to the whole tower, plus the joint head. About a minute for Clef-Flash "
-        "on 2 cores; kept per machine, llama.cpp build, threads and --tokens, so the next pick is instant.")
+        "runtime's threads, scaled to the whole tower, plus the joint head. About two minutes for all of "
+        "Clef-Flash's quants on 2 cores (132 s measured); kept per machine, llama.cpp build, threads and "
+        "--tokens, so the next pick is instant.")
     speed_flags.add_argument("--tokens", type=positive_int, default=speed.DEFAULT_TOKENS, metavar="N",
                              help=f"prompt tokens of the decision to time (default {speed.DEFAULT_TOKENS}, "
                                   "a typical request)")
@@ -85,9 +86,10 @@ def measure_speed(args: argparse.Namespace, profile: DeviceProfile, rec: Recomme
 
 def run(args: argparse.Namespace) -> int:
     """``clef-gguf pick``: print this machine's profile and the recommended quant; 1 if nothing fits."""
+    choosing = args.max_seconds is not None or args.prefer == "speed"  # by the probe's seconds
     if args.no_probe and args.reprobe:
         raise InvalidValue("--no-probe and --reprobe contradict each other: give one", field="reprobe")
-    if args.no_probe and (args.max_seconds is not None or args.prefer == "speed"):
+    if args.no_probe and choosing:
         raise InvalidValue("--max-seconds and --prefer speed need the speed probe: drop --no-probe",
                            field="no_probe")
     if args.min_agreement is not None and not args.eval:
@@ -99,13 +101,13 @@ def run(args: argparse.Namespace) -> int:
     if summary is not None:
         rec = evidence.apply(rec, summary, args.min_agreement)
     table = measure_speed(args, profile, rec)
-    if table is not None and (args.max_seconds is not None or args.prefer == "speed"):
+    if table is not None and choosing:
         keeps = None
         if summary is not None:
             keeps = {q for q, v in evidence.verdicts(summary, args.min_agreement).items() if v.keeps}
         rec = speed.apply(rec, speed.choose(rec, table, max_seconds=args.max_seconds, prefer=args.prefer,
                                             keeps=keeps))
-    elif table is None and not args.no_probe and (args.max_seconds is not None or args.prefer == "speed"):
+    elif table is None and choosing:  # --no-probe with choosing was refused above
         raise InvalidValue(f"no speed probe for {rec.family}: its tower shapes are not confirmed, so "
                            "--max-seconds and --prefer speed cannot choose", field="family")
     agreements = evidence.agreements(summary) if summary is not None else {}
