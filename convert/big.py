@@ -30,6 +30,7 @@ import shutil
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 import gguf
@@ -53,9 +54,9 @@ BIG_PRESETS: dict[str, dict] = {
 # Clef-Flash's vision tower (Qwen3.5-9B's vision_config: 27 blocks, width 1152, 456M parameters) and
 # Qwen3-VL's published processor settings (16-pixel patches merged 2x2: one token per 32x32 pixels; a
 # 448x448 picture keeps its size, 196 tokens). ``--vision`` writes a random one beside the tower.
-FLASH_VISION = {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16, "patch_size": 16,
-                "spatial_merge_size": 2, "temporal_patch_size": 2, "num_position_embeddings": 2304,
-                "in_channels": 3}
+FLASH_VISION: dict[str, Any] = {
+    "depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16, "patch_size": 16,
+    "spatial_merge_size": 2, "temporal_patch_size": 2, "num_position_embeddings": 2304, "in_channels": 3}
 _FLASH_PROCESSOR = {"patch_size": 16, "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
                     "image_std": [0.5, 0.5, 0.5], "processor_class": "Qwen3VLProcessor"}
 FLASH_PROCESSORS = {

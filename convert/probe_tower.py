@@ -8,13 +8,14 @@ values, so the probe runs a small file whose layers cost what the real file's la
    hyper-parameters) in bf16, each block matrix cut to two rows, with a small vocabulary. llama.cpp's
    quantizer chooses a tensor's type from its name, its layer, its row width and the model's
    hyper-parameters, never from its row count (``llama_tensor_get_type`` in llama-quant.cpp), so
-   quantizing the skeleton gives every tensor the type the published file has, in about a second.
+   the quantizer's dry run on the skeleton names every tensor's type in the published file, in
+   milliseconds; ``retyped`` gives each tensor that type (zeros: the values do not matter to time).
 2. ``choose_layers``: which of the model's layers the probe's few layers copy. The mixes give some
    layers more bits (``use_more_bits``: Q4_K_M keeps half the ``ffn_down`` in Q6_K); the chosen ones
    hold, role by role, the bytes closest to the model's average layer of their kind.
 3. ``write_probe``: one full-attention interval of layers (3 linear-attention + 1 full-attention for
-   Clef-Flash: both kinds in their real ratio) at full shape, each matrix the skeleton's quantized rows
-   repeated to the real row count.
+   Clef-Flash: both kinds in their real ratio) at full shape, each matrix the skeleton's rows in their
+   type repeated to the real row count.
 """
 
 from __future__ import annotations
@@ -29,11 +30,12 @@ import gguf
 import numpy as np
 import torch
 
-from clef_gguf.convert import gguf_vocab, tiny
+from clef_gguf.convert import gguf_vocab, quantize, tiny
 from clef_gguf.convert import tensor_map as tm
 from clef_gguf.convert.big import plan, preset_config
 from clef_gguf.convert.hf_to_gguf import _add_metadata, stream_gguf
 from clef_gguf.core.errors import ConversionError
+from clef_gguf.formats.gguf import ensure_gguf_types
 
 # Rows of the probe's vocabulary: the embedding lookup and the final norm cost nothing next to the
 # layers, and the runtime never multiplies by the output matrix (it reads hidden states).
@@ -114,14 +116,52 @@ class StoredTensor:
         return int(self.rows.shape[1])
 
 
-def read_quantized(path: Path) -> dict[str, StoredTensor]:
-    """Every tensor of a (quantized) skeleton by name, as raw rows."""
+def read_tensors(path: Path) -> dict[str, StoredTensor]:
+    """Every tensor of a GGUF (the skeleton) by name, as raw rows."""
     out = {}
     for t in gguf.GGUFReader(str(path)).tensors:
         n_rows = int(math.prod(int(n) for n in t.shape[1:])) or 1
         raw = np.asarray(t.data).view(np.uint8).reshape(n_rows, -1)
         dims = tuple(int(n) for n in reversed(t.shape))
         out[t.name] = StoredTensor(gguf.GGMLQuantizationType(int(t.tensor_type)), raw, dims)
+    return out
+
+
+def planned_types(skeleton: Path, quant: str, threads: int = 1) -> dict[str, str]:
+    """Tensor name -> the type llama.cpp's quantizer gives it for ``quant`` (catalog spelling): its
+    dry run on the skeleton, which writes nothing."""
+    import llama_cpp as ll
+
+    if quant not in quantize.QUANT_TYPES:
+        raise ValueError(f"{quant} is not a type this llama.cpp build quantizes to")
+    ll.llama_backend_init()
+    params = ll.llama_model_quantize_default_params()
+    params.ftype, params.nthread = quantize.QUANT_TYPES[quant], threads
+    planned = quantize.dry_run(ll, {"src": str(skeleton), "dst": str(skeleton.with_suffix(".dry"))}, params)
+    if not planned:
+        raise RuntimeError(f"llama.cpp's quantizer planned no types for {quant} (its dry run failed)")
+    return planned
+
+
+def retyped(skeleton: dict[str, StoredTensor], planned: dict[str, str]) -> dict[str, StoredTensor]:
+    """The skeleton with each tensor in the type ``planned`` names (llama.cpp's quantizer's dry run for
+    a quant): rows of zeros of that type. A matmul's time is its type and shape, not its values
+    (measured at Clef-Flash's shape, 128-token prefills, median of 4: a probe of zeros took 0.93-1.05x
+    the time of one of quantized random weights for Q4_K_M, Q8_0, IQ2_XS, Q6_K, IQ4_XS and Q5_1);
+    quantizing would cost the probe the IQ types' grid set-up, ~16 s of it."""
+    ensure_gguf_types()  # Q2_0 is not in PyPI gguf's tables
+    out = {}
+    for name, t in skeleton.items():
+        kind = planned.get(name, t.qtype.name)
+        if kind == t.qtype.name:
+            out[name] = t
+            continue
+        qtype = gguf.GGMLQuantizationType[kind]
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        width = t.dims[-1]
+        if width % block:
+            raise ConversionError(f"{name}: rows of {width} do not hold whole {kind} blocks of {block}")
+        out[name] = StoredTensor(qtype, np.zeros((len(t.rows), width // block * size), np.uint8), t.dims)
     return out
 
 
@@ -179,7 +219,7 @@ def write_probe(path: Path, stored: dict[str, StoredTensor], preset: str, source
     tokenizer_json = workdir / "probe-tokenizer.json"
     tok.save(str(tokenizer_json))
     writer, _, items = _metadata_writer(p, tok, tokenizer_json, f"clef-speed-probe-{preset}")
-    payloads = []
+    parts = []  # (rows, count): tiled to ``count`` rows only as the file is written
     for item in items:
         name = item.gguf_name
         if name.startswith("blk."):
@@ -191,11 +231,13 @@ def write_probe(path: Path, stored: dict[str, StoredTensor], preset: str, source
             raise ConversionError(f"the quantized skeleton has no tensor for {name}")
         shape = tm.output_shape(item.shape, item.edits)
         if _cut(name, shape):
-            data = np.tile(src.rows, (-(-shape[0] // len(src.rows)), 1))[:shape[0]]
+            parts.append((src.rows, shape[0]))
             dims = [shape[0], src.row_bytes]
         else:
-            data, dims = src.rows, [*src.dims[:-1], src.row_bytes]
-        writer.add_tensor_info(name, dims, np.dtype(np.uint8), data.nbytes, raw_dtype=src.qtype)
-        payloads.append(data)
-    stream_gguf(writer, path, payloads)
+            parts.append((src.rows, len(src.rows)))
+            dims = [*src.dims[:-1], src.row_bytes]
+        writer.add_tensor_info(name, dims, np.dtype(np.uint8), parts[-1][1] * src.row_bytes, raw_dtype=src.qtype)
+    # One tensor in memory at a time: a bf16 probe is 1.7 GB, and it is written to memory (/dev/shm).
+    stream_gguf(writer, path, (rows if count == len(rows) else np.tile(rows, (-(-count // len(rows)), 1))[:count]
+                               for rows, count in parts))
     return {"layers": len(sources), "sources": sources, "bytes": path.stat().st_size}

@@ -282,7 +282,7 @@ def _child(spec: dict) -> int:
     if spec.get("keep_layers"):
         kept = keep_layers_mod.KeepLayers({int(k): v for k, v in spec["keep_layers"].items()})
         items.append((keep_layers_mod.GGUF_KEY, kept.label()))
-        planned = _dry_run(ll, spec, p)
+        planned = dry_run(ll, spec, p)
         if planned is None:
             return 3
         if not planned:  # a log format we do not know: say so rather than guess a mix
@@ -310,7 +310,7 @@ def _child(spec: dict) -> int:
     return 0 if rc == 0 else 3
 
 
-def _dry_run(ll, spec: dict, p) -> dict[str, str] | None:
+def dry_run(ll, spec: dict, p) -> dict[str, str] | None:
     """What the plain quantization gives each tensor (None if the dry run failed): llama.cpp's dry
     run (same parameters, no output file) logs it per tensor; the log still reaches stderr, where
     the parent reads failures."""

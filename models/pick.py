@@ -35,12 +35,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "Before recommending, pick measures how long one decision takes here with each quant that fits: "
         "one interval of the family's decoder layers (3 linear-attention + 1 full-attention, at the real "
         "shapes, in each quant's tensor types) is prefilled through this llama.cpp build with the "
-        "runtime's threads, scaled to the whole tower, plus the joint head. About two minutes for all of "
-        "Clef-Flash's quants on 2 cores (132 s measured); kept per machine, llama.cpp build, threads and "
-        "--tokens, so the next pick is instant.")
+        "runtime's threads (128-token prefills, scaled), scaled to the whole tower, plus the joint head "
+        "(and the vision tower, with --picture). 84 s for all of Clef-Flash's quants on 2 cores; kept per "
+        "machine, llama.cpp build, threads, --tokens and --picture, so the next pick is instant.")
     speed_flags.add_argument("--tokens", type=positive_int, default=speed.DEFAULT_TOKENS, metavar="N",
                              help=f"prompt tokens of the decision to time (default {speed.DEFAULT_TOKENS}, "
                                   "a typical request)")
+    speed_flags.add_argument("--picture", type=positive_int, metavar="SIZE",
+                             help="each decision also carries one SIZE x SIZE picture (448: 198 more prompt "
+                                  "tokens on Clef-Flash): its tokens are added to --tokens and the vision "
+                                  "tower's time on it (the default exact engine, random weights at "
+                                  "Clef-Flash's vision shape) to every quant's seconds")
     speed_flags.add_argument("--threads", type=positive_int, metavar="N",
                              help="CPU threads, as you will run the model (default: all available, as the runtime)")
     speed_flags.add_argument("--max-seconds", type=seconds, metavar="S",
@@ -81,7 +86,7 @@ def measure_speed(args: argparse.Namespace, profile: DeviceProfile, rec: Recomme
         return None
     placed = {q: gpu_layers(profile, known[q].size_bytes, rec.family, context_tokens=args.ctx) for q in wanted}
     return speed.measure(rec.family, wanted, tokens=args.tokens, threads=args.threads or available_cpus(),
-                         gpu_layers=placed, reprobe=args.reprobe)
+                         gpu_layers=placed, reprobe=args.reprobe, picture=args.picture)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -89,6 +94,9 @@ def run(args: argparse.Namespace) -> int:
     choosing = args.max_seconds is not None or args.prefer == "speed"  # by the probe's seconds
     if args.no_probe and args.reprobe:
         raise InvalidValue("--no-probe and --reprobe contradict each other: give one", field="reprobe")
+    if args.no_probe and args.picture:
+        raise InvalidValue("--picture adds the vision tower to the speed probe's seconds: drop --no-probe",
+                           field="picture")
     if args.no_probe and choosing:
         raise InvalidValue("--max-seconds and --prefer speed need the speed probe: drop --no-probe",
                            field="no_probe")
@@ -163,7 +171,7 @@ def print_table(rec: Recommendation, table: speed.SpeedTable | None, agreements:
     if table is not None:
         when = (f"kept from {table.measured_at} (--reprobe measures again)" if table.cached
                 else f"measured now in {table.took_seconds:.0f} s")
-        print(f"Speed here: one decision of {table.tokens} prompt tokens with {table.threads} threads, {when}.")
+        print(f"Speed here: {table.decision()} with {table.threads} threads, {when}.")
         print(f"  (predicted from {table.probe_layers} of {table.layers} layers at the real shapes; "
               f"head {table.head_seconds * 1e3:.0f} ms included)")
     elif not args.no_probe:

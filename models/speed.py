@@ -4,13 +4,15 @@
 family publishes. For each, ``convert/probe_tower.py`` writes one full-attention interval of decoder
 layers (Clef-Flash: 3 linear-attention + 1 full-attention, hidden 4096, feed-forward 12,288, its head
 counts) whose tensors have the types the published file gives them, and ``models/speed_run.py``
-prefills ``--tokens`` ids through it with the runtime's llama.cpp context and threads. The prediction
-scales that to the family's layer count and adds the joint head, timed at the family's shape:
+times prefills through it with the runtime's llama.cpp context and threads: at the decision's length
+when that is cheap, else 128 tokens long (32 for a type without fast kernels) and scaled linearly to
+it. The prediction scales the fastest run to the family's layer count and adds the joint head, timed
+at the family's shape:
 
-    tower = median(probe prefill) x layers / probe layers      decision = tower + head
+    tower = min(probe prefills) x tokens / probe tokens x layers / probe layers    decision = tower + head
 
-The probe prefills ``--tokens`` minus the release's 36-token system prefix: the runtime decodes that
-prefix once per process and restores it for every decision after.
+A timed prefill is the runtime's tower stage (``Tower.forward``): the release's 36-token system prefix
+is decoded once and kept, and each decision restores it and decodes the rest of ``--tokens``.
 
 Encoding, lexical rows and the answer are under a millisecond each (BENCHMARKS.md) and are left out.
 The results are kept per machine, llama.cpp build, thread count, GPU placement and token count in
@@ -26,7 +28,6 @@ import json
 import os
 import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -41,7 +42,7 @@ from clef_gguf.core.limits import SYSTEM_PREFIX_TOKENS
 from clef_gguf.models.hfcache import clef_home
 from clef_gguf.models.placement import Recommendation
 
-FORMAT = "clef-gguf-speed-probe/1"
+FORMAT = "clef-gguf-speed-probe/2"
 DEFAULT_TOKENS = 500
 PREFERENCES = ("quality", "speed")
 # Families whose every tower shape is confirmed (convert.big's preset). The 27B's linear-attention and
@@ -50,7 +51,6 @@ PRESETS = {"clef-flash": "flash9b"}
 # Published files that are another type's mix with token_embd and output at Q8_0 (bartowski's "_L"
 # and "_XL"): the probe never multiplies by those two matrices, so they time as their base type.
 SAME_LAYERS = {"Q6_K_L": "Q6_K", "Q5_K_L": "Q5_K_M", "Q4_K_L": "Q4_K_M", "Q3_K_XL": "Q3_K_L", "Q2_K_L": "Q2_K"}
-ROUNDS = 1  # timed prefills per quant after a short warm-up (the median of them, if more)
 SCRATCH_BYTES = 4 << 30  # /dev/shm must have this free to hold the probe's files
 TIMEOUT_S = 900  # the whole probe; one quant's hang must not hang pick
 
@@ -60,11 +60,12 @@ class QuantSpeed:
     """One quant's probe and prediction; ``error`` instead when its probe failed."""
 
     quant: str
-    probe_seconds: tuple[float, ...] = ()  # each timed prefill through the probe's layers
+    probe_tokens: int | None = None  # the timed prefills' length (speed_run._time_tower chooses it)
+    probe_runs: tuple[float, ...] = ()  # seconds of each, through the probe's layers
+    probe_seconds: float | None = None  # the fastest, scaled to the decision's length
     tower_seconds: float | None = None
     seconds: float | None = None  # the whole decision: tower + head
     tokens_per_second: float | None = None  # prompt tokens through the whole tower
-    scaled: bool = False  # a slow type: timed on a few tokens and scaled linearly (speed_run.SLOW_S)
     error: str | None = None
 
 
@@ -82,7 +83,17 @@ class SpeedTable:
     key: str
     measured_at: str
     took_seconds: float
+    picture: int | None = None  # the side of the one square picture each decision carries (pick --picture)
+    picture_tokens: int = 0  # the prompt tokens it adds (in ``tokens``' place: text + picture)
+    picture_seconds: float = 0.0  # the vision tower on it, in every quant's ``seconds``
     cached: bool = False
+
+    def decision(self) -> str:
+        """What was timed, in words: "a decision of 500 tokens" (and its picture)."""
+        if not self.picture:
+            return f"a decision of {self.tokens} tokens"
+        return (f"a decision of {self.tokens} text tokens and one {self.picture}x{self.picture} picture "
+                f"({self.picture_tokens} more tokens, {self.picture_seconds:.1f} s in the vision tower)")
 
     def get(self, quant: str) -> QuantSpeed | None:
         return self.quants.get(quant.upper())
@@ -94,7 +105,7 @@ class SpeedTable:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SpeedTable:
-        quants = {q: QuantSpeed(**{**s, "probe_seconds": tuple(s["probe_seconds"])}) for q, s in d["quants"].items()}
+        quants = {q: QuantSpeed(**{**s, "probe_runs": tuple(s["probe_runs"])}) for q, s in d["quants"].items()}
         return cls(**{**d, "quants": quants})
 
 
@@ -113,15 +124,15 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def machine_key(preset: str, tokens: int, threads: int, gpu_layers: dict[str, int]) -> str:
-    """What the measurement depends on, hashed: CPU, llama.cpp build, threads, placement, tokens."""
+def machine_key(preset: str, tokens: int, threads: int, gpu_layers: dict[str, int], picture: int | None = None) -> str:
+    """What the measurement depends on, hashed: CPU, llama.cpp build, threads, placement, tokens, picture."""
     import llama_cpp
 
     parts = {"format": FORMAT, "cpu": _cpu_model(), "arch": platform.machine(), "cores": os.cpu_count(),
              "llama_cpp": llama_cpp.__version__,
              "system_info": llama_cpp.llama_print_system_info().decode("utf-8", "replace"),
              "preset": preset, "tokens": tokens, "threads": threads,
-             "gpu_layers": sorted((q, n) for q, n in gpu_layers.items() if n)}
+             "gpu_layers": sorted((q, n) for q, n in gpu_layers.items() if n), "picture": picture}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -171,50 +182,62 @@ def _scratch() -> str | None:
     return None
 
 
-def _run_child(spec: dict[str, Any], deadline: float) -> tuple[dict[str, dict], float | None, str]:
-    """Run speed_run on ``spec``; (rows by quant, head seconds, stderr tail). A quant that killed
-    the process is recorded as failed and the rest run in a fresh one."""
-    rows: dict[str, dict] = {}
+@dataclass
+class _ChildResult:
+    rows: dict[str, dict] = field(default_factory=dict)  # per quant
     head: float | None = None
+    picture_tokens: int | None = None
+    picture_seconds: float | None = None
+    tail: str = ""  # the last process's stderr, for a failure's message
+
+
+def _run_child(spec: dict[str, Any], deadline: float) -> _ChildResult:
+    """Run speed_run on ``spec``. A quant that killed the process is recorded as failed and the
+    rest run in a fresh one, told what the first already measured."""
+    got = _ChildResult()
     todo = list(spec["quants"])
-    tail = ""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), GGML_NO_BACKTRACE="1")
     while todo:
         spec_path = Path(spec["workdir"]) / "spec.json"
-        spec_path.write_text(json.dumps({**spec, "quants": todo, "head": spec["head"] if head is None else None}))
+        spec_path.write_text(json.dumps({**spec, "quants": todo, "head_known": got.head is not None,
+                                         "picture_tokens": got.picture_tokens}))
         left = deadline - time.monotonic()
         if left <= 0:
             break
         try:
             proc = subprocess.run([sys.executable, "-m", "clef_gguf.models.speed_run", str(spec_path)],
                                   capture_output=True, text=True, errors="replace", env=env, timeout=left)
-            out, tail = proc.stdout, proc.stderr[-2000:]
+            out, got.tail = proc.stdout, proc.stderr[-2000:]
         except subprocess.TimeoutExpired as exc:
             out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-            tail = "the probe ran out of time"
+            got.tail = "the probe ran out of time"
         for line in out.splitlines():
             try:
                 obj = json.loads(line)
             except ValueError:
                 continue
             if "head_seconds" in obj:
-                head = float(obj["head_seconds"])
+                got.head = float(obj["head_seconds"])
+            elif "picture_tokens" in obj:
+                got.picture_tokens, got.picture_seconds = int(obj["picture_tokens"]), float(obj["picture_seconds"])
             elif obj.get("quant") in todo:
-                rows[obj["quant"]] = obj
-        rest = [q for q in todo if q not in rows]
+                got.rows[obj["quant"]] = obj
+        rest = [q for q in todo if q not in got.rows]
         if rest:  # the process ended (or timed out) inside rest[0]
-            rows[rest[0]] = {"quant": rest[0], "error": f"the probe process stopped: {tail.strip()[-200:]}"}
+            got.rows[rest[0]] = {"quant": rest[0], "error": f"the probe process stopped: {got.tail.strip()[-200:]}"}
         todo = rest[1:]
-    return rows, head, tail
+    return got
 
 
 def measure(family: str, quants: list[str], *, tokens: int = DEFAULT_TOKENS, threads: int,
             gpu_layers: dict[str, int] | None = None, reprobe: bool = False, timeout: float = TIMEOUT_S,
-            workdir: Path | None = None, preset: str | None = None) -> SpeedTable | None:
+            workdir: Path | None = None, preset: str | None = None, picture: int | None = None) -> SpeedTable | None:
     """The speed table of ``quants`` (catalog spelling) for ``family`` on this machine, from the cache
     unless ``reprobe``; None when the family has no confirmed shapes. ``gpu_layers``: per quant, -1
     where the runtime would place that file on the GPU (``placement.gpu_layers``); absent: the CPU.
-    ``preset``: another ``convert.big`` shape (the accuracy check runs the ~110M ``small``)."""
+    ``preset``: another ``convert.big`` shape (the accuracy check runs the ~110M ``small``).
+    ``picture``: each decision also carries one ``picture`` x ``picture`` image (Clef-Flash's vision
+    tower and processor; its tokens are added to ``tokens``)."""
     preset = preset or preset_for(family)
     if preset is None:
         return None
@@ -222,7 +245,9 @@ def measure(family: str, quants: list[str], *, tokens: int = DEFAULT_TOKENS, thr
         raise InvalidValue(f"--tokens must be at least 1 (got {tokens})", field="tokens")
     wanted = [q.upper() for q in quants]
     gpu_layers = {q: int((gpu_layers or {}).get(q, 0)) for q in wanted}
-    key = machine_key(preset, tokens, threads, gpu_layers)
+    if picture is not None and picture < 1:
+        raise InvalidValue(f"--picture must be at least 1 pixel (got {picture})", field="picture")
+    key = machine_key(preset, tokens, threads, gpu_layers, picture)
     known = None if reprobe else cached(key)
     if known is not None and all(q in known.quants for q in wanted):
         return known
@@ -232,27 +257,32 @@ def measure(family: str, quants: list[str], *, tokens: int = DEFAULT_TOKENS, thr
         decoded = max(1, tokens - SYSTEM_PREFIX_TOKENS)
         probed = list(dict.fromkeys(SAME_LAYERS.get(q, q) for q in wanted))
         spec = {"workdir": tmp, "preset": preset, "quants": probed, "tokens": decoded, "threads": threads,
+                "prefix": tokens - decoded,
                 "gpu_layers": {SAME_LAYERS.get(q, q): n for q, n in gpu_layers.items()},
-                "rounds": ROUNDS, "probe_layers": p["interval"], "head": p["head"],
+                "probe_layers": p["interval"], "head": p["head"], "picture": picture,
                 "head_tokens": tokens}  # the head reads every hidden state, the prefix's too
-        rows, head, tail = _run_child(spec, start + timeout)
-    if head is None:
-        raise InvalidValue(f"the speed probe failed before measuring anything: {tail.strip()[-300:]}",
+        got = _run_child(spec, start + timeout)
+    head = got.head
+    if head is None or (picture and got.picture_seconds is None):
+        raise InvalidValue(f"the speed probe failed before measuring anything: {got.tail.strip()[-300:]}",
                            field="probe")
+    picture_tokens, picture_seconds = got.picture_tokens or 0, got.picture_seconds or 0.0
+    decoded += picture_tokens
     scale = p["layers"] / p["interval"]
     out = dict(known.quants) if known is not None else {}
     for q in wanted:
-        row = rows.get(SAME_LAYERS.get(q, q)) or {"error": "not measured (the probe ran out of time)"}
+        row = got.rows.get(SAME_LAYERS.get(q, q)) or {"error": "not measured (the probe ran out of time)"}
         if "error" in row:
             out[q] = QuantSpeed(q, error=str(row["error"]))
             continue
-        probe = tuple(float(s) for s in row["probe_seconds"])
-        tower = statistics.median(probe) * scale
-        out[q] = QuantSpeed(q, probe, round(tower, 4), round(tower + head, 4), round(decoded / tower, 2),
-                            bool(row.get("scaled")))
+        n, runs = int(row["probe_tokens"]), tuple(float(t) for t in row["probe_runs"])
+        at = min(runs) * decoded / n  # a prefill's time is linear in its tokens (speed_run._time_tower)
+        tower = at * scale
+        out[q] = QuantSpeed(q, n, runs, round(at, 4), round(tower, 4), round(tower + head + picture_seconds, 4),
+                            round(decoded / tower, 2))
     table = SpeedTable(family, preset, tokens, threads, gpu_layers, p["layers"], p["interval"], round(head, 4),
                        out, key, datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                       round(time.monotonic() - start, 1))
+                       round(time.monotonic() - start, 1), picture, picture_tokens, round(picture_seconds, 4))
     _write_cache(table)
     return table
 
@@ -280,7 +310,7 @@ def choose(rec: Recommendation, table: SpeedTable, *, max_seconds: float | None,
              if (s := table.get(c.quant)) is not None and s.seconds is not None]
     within = [t for t in timed if max_seconds is None or t[1] <= max_seconds]
     limit = f" within {max_seconds:g} s" if max_seconds is not None else ""
-    what = f"a decision of {table.tokens} tokens"
+    what = table.decision()
     if not within:
         if not timed:
             return Choice(None, "No quant that fits has a measured speed: run pick without --no-probe.")

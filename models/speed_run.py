@@ -19,61 +19,50 @@ from pathlib import Path
 import numpy as np
 
 
-# Published files that are another type's mix with token_embd and output at Q8_0 (bartowski's "_L"
-# and "_XL"): the probe never multiplies by those two matrices, so they time as their base type.
-SHORT = 16  # tokens of the warm-up prefill
-SLOW_S = 10.0  # a probe prefill predicted longer than this is timed on SHORT tokens and scaled
-CHEAP_S = 1.0  # one predicted shorter than this gets a full-length warm-up and three timed runs
-SAME_LAYERS = {"Q6_K_L": "Q6_K", "Q5_K_L": "Q5_K_M", "Q4_K_L": "Q4_K_M", "Q3_K_XL": "Q3_K_L", "Q2_K_L": "Q2_K"}
+WARM = 4  # tokens of the warm-up prefill: first-call allocations and kernel selection, off the clock
+SHORT = 16  # tokens of the prefill that says how long the others will take
+CHEAP_S = 1.0  # a decision-length prefill predicted under this is timed at that length
+PROBE_TOKENS = 128  # else the timed prefills are this long, and scaled to the decision's length
+SLOW_S = 2.0  # ... or, for a type whose PROBE_TOKENS prefill would take longer (Q4_1 and Q5_1 have
+SLOW_TOKENS = 64  # no fast kernel here), this long; and a SHORT prefill that took longer is the run
+RUNS = 2  # timed prefills per quant (three at decision length); the fastest counts: noise only adds
 
 
-def _quantize_skeleton(skeleton: Path, out: Path, quant: str, threads: int, workdir: Path) -> None:
-    from clef_gguf.convert import imatrix as im
-    from clef_gguf.convert import quantize
+def _time_tower(path: Path, tokens: int, threads: int, gpu_layers: int, prefix: int) -> tuple[int, list[float]]:
+    """(prompt tokens past the system prefix of the timed prefills, seconds of each) through the probe.
 
-    if quant not in quantize.QUANT_TYPES:
-        raise ValueError(f"{quant} is not a type this llama.cpp build quantizes to")
-    spec = {"src": str(skeleton), "dst": str(out), "ftype": quantize.QUANT_TYPES[quant], "threads": threads,
-            "output_type": None, "token_embedding_type": None, "imatrix": None, "imatrix_meta": {},
-            "keep_layers": None}
-    if quant in quantize.NEEDS_IMATRIX:  # the values do not matter to the time: flat weights do
-        path = workdir / "uniform.imatrix.gguf"
-        if not path.exists():
-            im.write(path, im.uniform_for(skeleton))
-        spec["imatrix"] = str(path)
-    if quantize._child(spec) != 0:
-        raise RuntimeError(f"llama.cpp could not quantize the probe skeleton to {quant}")
+    Each timed prefill is a decision's tower stage as the runtime runs it (``Tower.forward``,
+    ``tower/schedule.py``): the ``prefix``-token system prefix is decoded once and kept, and every
+    decision after restores it and decodes its state and its rest, two decodes. On the ~110M model
+    that restore and the second decode's setup were a fifth of a decision: one decode of the same
+    tokens under-predicted it.
 
-
-def _time_tower(path: Path, tokens: int, threads: int, gpu_layers: int, rounds: int) -> tuple[list[float], bool]:
-    """(seconds of each timed prefill of ``tokens`` ids, whether they were scaled from short runs).
-
-    A type without fast kernels on this CPU (Q2_0 here: ~170 s for one probe prefill) would spend the
-    probe's whole budget: when the warm-up says a full prefill would take over ``SLOW_S``, the probe
-    times ``SHORT`` tokens instead and scales linearly (a slow kernel's time is its arithmetic)."""
+    A prefill's time grows linearly with its tokens (the matmuls; attention's quadratic part is
+    under 1% at these lengths), so all but a cheap one are timed shorter than the decision and
+    scaled: a full-length prefill of each of Clef-Flash's quants took the probe 81 s of its 132
+    (Q5_1: 12 s for 464 tokens through four layers; Q2_0: ~90 s). Shorter prefills over-state the
+    time per token a little (a per-call part); the probe's accuracy is measured in BENCHMARKS.md."""
     from clef_gguf.tower.llama_tower import Tower
 
-    ids = np.random.default_rng(0).integers(300, 512, size=tokens).astype(np.int32)
-    short = ids[:SHORT]
-    with Tower.load(path, threads=threads, gpu_layers=gpu_layers) as tower:
+    ids = np.random.default_rng(0).integers(300, 512, size=prefix + tokens).astype(np.int32)
+
+    def timed(n: int) -> float:
         start = time.perf_counter()
-        tower.hidden_states(short)  # also first-call allocations and kernel selection, off the clock
-        estimate = (time.perf_counter() - start) * tokens / len(short)
-        if estimate > SLOW_S:
-            start = time.perf_counter()
-            tower.hidden_states(short)
-            return [(time.perf_counter() - start) * tokens / len(short)], True
-        if estimate < CHEAP_S:
-            # A short prefill: the first full-length decode's own setup (its compute graph and buffers
-            # for that batch) is a large part of it, so one more warm-up and three timed runs.
-            tower.hidden_states(ids)
-            rounds = max(rounds, 3)
-        seconds = []
-        for _ in range(rounds):
-            start = time.perf_counter()
-            tower.hidden_states(ids)
-            seconds.append(time.perf_counter() - start)
-    return seconds, False
+        tower.forward(ids[:prefix + n], prefix, n // 2, None)  # [prefix][state: n // 2][rest]
+        return time.perf_counter() - start
+
+    with Tower.load(path, threads=threads, gpu_layers=gpu_layers) as tower:
+        timed(min(WARM, tokens))  # also decodes the prefix and keeps it, as the runtime's first decision
+        short = min(SHORT, tokens)
+        first = timed(short)
+        per_token = first / short  # over-states a longer prefill's: its per-call part is in it
+        if per_token * tokens <= CHEAP_S:
+            timed(tokens)  # a longer prefill's first run touches buffers the short ones did not
+            return tokens, [timed(tokens) for _ in range(RUNS + 1)]
+        if first > SLOW_S:  # Q2_0 here: ~3 s for 16 tokens through Clef-Flash's four layers
+            return short, [first]
+        n = min(tokens, PROBE_TOKENS if per_token * PROBE_TOKENS <= SLOW_S else SLOW_TOKENS)
+        return n, [timed(n) for _ in range(RUNS)]
 
 
 def _time_head(config: dict, tokens: int, threads: int, rounds: int) -> float:
@@ -81,14 +70,17 @@ def _time_head(config: dict, tokens: int, threads: int, rounds: int) -> float:
     (a noul, a 4-way choice, a 5-level score), as ``clef-gguf bench`` asks."""
     import torch
 
-    from clef_gguf.heads import random_head, synthetic_spans
-    from clef_gguf.heads.load import BENCH_COUNTS
+    from clef_gguf.heads import synthetic_spans
+    from clef_gguf.heads.joint import JointSchemaHead
+    from clef_gguf.heads.load import BENCH_COUNTS, check_config
 
     torch.set_num_threads(threads)
     counts = list(BENCH_COUNTS)
     questions, options = synthetic_spans(max(0, tokens - 250), counts)
     pos = options[-1][1]
-    head = random_head(config, seed=0).eval()
+    # torch's own initialisation: the values do not matter to time, and random_head's float64 draws
+    # took 3 s of the probe at Clef-Flash's shape
+    head = JointSchemaHead(**check_config(config, source="config")).eval()
     hidden = torch.randn(max(tokens, pos), config["hidden_size"])
     rows = torch.randn(sum(e - s for s, e in options), config["hidden_size"])
     seconds = []
@@ -98,6 +90,34 @@ def _time_head(config: dict, tokens: int, threads: int, rounds: int) -> float:
             head(hidden, rows, questions, options, counts, [0, 1, 2])
             seconds.append(time.perf_counter() - start)
     return statistics.median(seconds[1:])
+
+
+def _time_picture(size: int, out_hidden: int, threads: int, workdir: Path) -> tuple[int, float]:
+    """(prompt tokens one ``size`` x ``size`` picture adds, seconds of the vision tower on it): Clef-Flash's
+    processor settings and vision tower shape (``convert.big``), random weights, the default engine."""
+    import PIL.Image
+    import torch
+
+    from clef_gguf.convert.big import FLASH_PROCESSORS, FLASH_VISION
+    from clef_gguf.media.config import load_processor_config
+    from clef_gguf.media.placeholders import token_counts
+    from clef_gguf.media.processor import preprocess_images
+    from clef_gguf.vision import VisionConfig, VisionTower
+
+    torch.set_num_threads(threads)
+    for name, settings in FLASH_PROCESSORS.items():
+        (workdir / name).write_text(json.dumps(settings), encoding="utf-8")
+    processor = load_processor_config(workdir)
+    assert processor is not None  # written just above
+    pixels = np.random.default_rng(0).integers(0, 256, (size, size, 3), dtype=np.uint8)
+    batch = preprocess_images([PIL.Image.fromarray(pixels)], processor.image, ["picture"])
+    tower = VisionTower.random(VisionConfig(**FLASH_VISION, out_hidden_size=out_hidden), threads=threads)
+    tower.embed(batch.pixel_values, batch.grid_thw)  # first-call allocations, off the clock
+    start = time.perf_counter()
+    tower.embed(batch.pixel_values, batch.grid_thw)
+    seconds = time.perf_counter() - start
+    # <|vision_start|>, one <|image_pad|> per merged patch, <|vision_end|> (media/placeholders.py)
+    return token_counts(batch.grid_thw, FLASH_VISION["spatial_merge_size"])[0] + 2, seconds
 
 
 def main(spec_path: str) -> int:
@@ -112,32 +132,37 @@ def main(spec_path: str) -> int:
     def say(obj: dict) -> None:
         print(json.dumps(obj), flush=True)
 
-    if spec.get("head"):
-        say({"head_seconds": _time_head(spec["head"], spec["head_tokens"], spec["threads"], 3)})
+    tokens, head_tokens = spec["tokens"], spec["head_tokens"]
+    # A process started again after a quant took the last one down has these from the first.
+    picture_tokens = spec.get("picture_tokens")
+    if spec.get("picture") and picture_tokens is None:
+        picture_tokens, picture_seconds = _time_picture(spec["picture"], spec["head"]["hidden_size"],
+                                                        spec["threads"], workdir)
+        say({"picture_tokens": picture_tokens, "picture_seconds": picture_seconds})
+    if picture_tokens:  # the picture's tokens go through the tower and the head with the text's
+        tokens, head_tokens = tokens + picture_tokens, head_tokens + picture_tokens
+    if not spec.get("head_known"):
+        say({"head_seconds": _time_head(spec["head"], head_tokens, spec["threads"], 3)})
+    skeleton_tensors = probe_tower.read_tensors(skeleton)
     for quant in spec["quants"]:
         start = time.perf_counter()
-        quantized, probe = workdir / f"skeleton-{quant}.gguf", workdir / f"probe-{quant}.gguf"
+        probe = workdir / f"probe-{quant}.gguf"
         try:
-            if quant == "BF16":  # the skeleton's own types: what the converter writes for BF16
-                quantized = skeleton
-            else:
-                _quantize_skeleton(skeleton, quantized, quant, spec["threads"], workdir)
-            stored = probe_tower.read_quantized(quantized)
+            # BF16: the skeleton's own types, what the converter writes for BF16
+            stored = probe_tower.retyped(skeleton_tensors, {} if quant == "BF16" else
+                                         probe_tower.planned_types(skeleton, quant, spec["threads"]))
             sources = probe_tower.choose_layers(stored, spec["preset"], spec["probe_layers"])
             written = probe_tower.write_probe(probe, stored, spec["preset"], sources, workdir)
-            seconds, scaled = _time_tower(probe, spec["tokens"], spec["threads"],
-                                  spec["gpu_layers"].get(quant, 0), spec["rounds"])
+            n, runs = _time_tower(probe, tokens, spec["threads"], spec["gpu_layers"].get(quant, 0), spec["prefix"])
             types: dict[str, int] = {}
             for t in stored.values():
                 types[t.qtype.name] = types.get(t.qtype.name, 0) + 1
-            say({"quant": quant, "probe_seconds": seconds, "scaled": scaled, "sources": sources,
+            say({"quant": quant, "probe_tokens": n, "probe_runs": runs, "sources": sources,
                  "probe_bytes": written["bytes"],
                  "tensor_types": dict(sorted(types.items())), "took": time.perf_counter() - start})
         except Exception as exc:  # noqa: BLE001 - one quant's failure is that quant's row, not the probe's end
             say({"quant": quant, "error": f"{type(exc).__name__}: {exc}"[:300]})
         finally:
-            if quantized != skeleton:
-                quantized.unlink(missing_ok=True)
             probe.unlink(missing_ok=True)
     return 0
 

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# GPU check, for the times a CUDA machine is lent (under 5 minutes on 16 cores):
+# GPU check, for the times a CUDA machine is lent (under 5 minutes on 16 cores before the speed part,
+# which first builds a ~6 GB random 9B-shaped model: not yet run on a GPU, its time unmeasured):
 # builds llama-cpp-python with CUDA in a scratch venv, then runs scripts/gpu_check.py, which
-# decides on the tiny demo model on the GPU and on the CPU and reports max |dp| between them;
+# decides on the tiny demo model on the GPU and on the CPU and reports max |dp| between them, and
+# pick's speed probe on the GPU against a measured decision of a random 9B-shaped model (--speed);
 # then the nvfp4 backend: its tests, and scripts/gpu_check_nvfp4.py (kernel in use, GPU vs CPU
 # agreement, latency of a tiny and a 0.8B-shaped NVFP4 model). GPU_CHECK_SKIP_GGUF=1 runs only
 # the nvfp4 part (no CUDA build of llama.cpp: a few minutes less).
@@ -22,7 +24,7 @@ fi
 pip install --quiet -e ".[nvfp4]" pytest
 status=0
 if [ "${GPU_CHECK_SKIP_GGUF:-0}" != 1 ]; then
-  python scripts/gpu_check.py "$@" || status=1
+  python scripts/gpu_check.py --speed "$@" || status=1
 fi
 python -m pytest -q tests/nvfp4 tests/convert/test_nvfp4_convert.py || status=1
 python scripts/gpu_check_nvfp4.py || status=1

@@ -2,9 +2,15 @@
 
 Run by scripts/gpu-check.sh on a CUDA machine. Exit 1 when the build has no GPU backend, the GPU
 run did not offload, or the two disagree by more than 1e-3 (f32 tower: kernels differ, not maths).
+
+``--speed`` (gpu-check.sh passes it): also ``pick``'s speed probe with its layers on the GPU, as the
+runtime places a file that fits, against a measured decision of a random 9B-shaped Q4_K_M model
+(``convert.big``, ~6 GB, built here) on the GPU: ``speed.ratio`` is predicted / measured (the CPU
+goal is within 25%; exit 1 outside 0.5-2, a probe that does not see the GPU at all).
 """
 
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -27,6 +33,31 @@ REQUESTS = [
 ]
 
 
+def speed_on_gpu(work: Path) -> dict:
+    """pick's probe on the GPU vs a decision measured there (scripts/speed_check.py's measurement)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from speed_check import decision_seconds
+
+    from clef_gguf.convert.big import build_random_model
+    from clef_gguf.core.cpus import available_cpus
+    from clef_gguf.core.limits import SYSTEM_PREFIX_TOKENS
+    from clef_gguf.models import speed
+    from clef_gguf.tools.bench import sized_request
+
+    model = work / "flash9b-Q4_K_M"
+    build_random_model(model, outtype="Q4_K_M")
+    with Clef.load(model, gpu_layers="all", state_cache_mb=0) as clef:
+        request = sized_request(clef, speed.DEFAULT_TOKENS)
+        encoded = clef.prepare(request).encoded
+        measured = statistics.median(decision_seconds(clef, request))
+    decoded = encoded.n_tokens - encoded.prefix_tokens
+    table = speed.measure("clef-flash", ["Q4_K_M"], tokens=decoded + SYSTEM_PREFIX_TOKENS,
+                          threads=available_cpus(), gpu_layers={"Q4_K_M": -1}, reprobe=True)
+    row = table.quants["Q4_K_M"]
+    return {"measured_s": round(measured, 3), "predicted_s": row.seconds, "error": row.error,
+            "ratio": round(row.seconds / measured, 3) if row.seconds else None, "probe_s": table.took_seconds}
+
+
 def main() -> int:
     backends = machine.llama_backends()
     with tempfile.TemporaryDirectory() as tmp:
@@ -42,6 +73,11 @@ def main() -> int:
               "seconds": {k: round(v[2], 3) for k, v in runs.items()}}
     print(json.dumps(report))
     ok = bool(backends) and runs["gpu"][0] == -1 and dp <= 1e-3
+    if "--speed" in sys.argv[1:] and backends:
+        with tempfile.TemporaryDirectory() as tmp:
+            report["speed"] = speed_on_gpu(Path(tmp))
+        print(json.dumps(report))
+        ok = ok and report["speed"]["ratio"] is not None and 0.5 <= report["speed"]["ratio"] <= 2
     return 0 if ok else 1
 
 

@@ -67,6 +67,8 @@ import PIL.Image
 import torch
 import torch.nn.functional as F
 
+from clef_gguf.convert.big import FLASH_PROCESSORS, FLASH_VISION
+
 # (width, height, seed): no resize, a resize up to the minimum, a round-half case past the maximum
 # (100 / 8 = 12.5), the maximum, a resize down past the maximum, an odd size, a long thin one, and two
 # round-half cases inside the bounds (84 / 8 = 10.5, 36 / 8 = 4.5: the reference rounds half to even).
@@ -127,13 +129,11 @@ def convert_mmprojs(release: Path, work: Path, prefix: str, llama_src: Path,
     return mmprojs
 
 
-# Clef-Flash 9B's vision_config, except the output width: mtmd checks it against the text model's, and the
-# text model here is the tiny one. The merger's last matmul is then 64 wide instead of 4096 (under 1% of the
-# tower's arithmetic at 448x448), so the time is the 9B tower's, less that.
-FLASH_VISION = {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16, "patch_size": 16,
-                "spatial_merge_size": 2, "temporal_patch_size": 2, "num_position_embeddings": 2304, "in_channels": 3}
+# Clef-Flash 9B's vision_config (convert.big.FLASH_VISION), except the output width: mtmd checks it against
+# the text model's, and the text model here is the tiny one. The merger's last matmul is then 64 wide instead
+# of 4096 (under 1% of the tower's arithmetic at 448x448), so the time is the 9B tower's, less that.
 # Qwen3-VL's processor bounds (pixels); a 448x448 picture keeps its size (196 tokens).
-FLASH_PROCESSOR_SIZE = {"shortest_edge": 65536, "longest_edge": 16777216}
+FLASH_PROCESSOR_SIZE = FLASH_PROCESSORS["preprocessor_config.json"]["size"]
 
 
 def build_flash_shape(work: Path, release: Path, llama_src: Path,

@@ -60,33 +60,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from clef_gguf.convert.big import FLASH_VISION
 from clef_gguf.vision import VisionConfig, VisionModel, VisionTower, engines
-from clef_gguf.vision.model import rope_inv_freq
 
-FLASH_9B = VisionConfig(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, patch_size=16,
-                        temporal_patch_size=2, spatial_merge_size=2, in_channels=3, num_position_embeddings=2304,
-                        out_hidden_size=4096)
+FLASH_9B = VisionConfig(**FLASH_VISION, out_hidden_size=4096)
 SEED = 0
 Embed = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def random_tower(config: VisionConfig, dtype: torch.dtype, threads: int, engine: str = "exact") -> VisionTower:
-    """A tower of ``config``'s shape with seeded weights: N(0, 0.02) matrices, unit norms, zero biases."""
-    with torch.device("meta"):
-        model = VisionModel(config)
-    model.to_empty(device="cpu")
-    gen = torch.Generator().manual_seed(SEED)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                param.fill_(1.0)
-            elif name.endswith("bias"):
-                param.zero_()
-            else:
-                param.normal_(0.0, 0.02, generator=gen)
-    model.inv_freq = rope_inv_freq(config)
-    model.to(dtype).requires_grad_(False).eval()
-    return VisionTower(engines.apply(model, engine), source=Path("random"), threads=threads, engine=engine)
+    return VisionTower.random(config, dtype, threads, engine, seed=SEED)
 
 
 # ------------------------------------------------------------------ candidates

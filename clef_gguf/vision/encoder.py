@@ -48,6 +48,30 @@ class VisionTower:
         files = tuple(sorted({path for path, _ in sources.values()}))
         return cls(model, source=where, threads=threads, files=files, engine=engine)
 
+    @classmethod
+    def random(cls, config: VisionConfig, dtype: torch.dtype = torch.float32, threads: int | None = None,
+               engine: str = engines.DEFAULT, seed: int = 0) -> VisionTower:
+        """A tower of ``config``'s shape with seeded weights (N(0, 0.02) matrices, unit norms, zero biases),
+        for timing: its time depends on the shapes, not on the values (``pick --picture``, the benchmarks)."""
+        from clef_gguf.vision.model import rope_inv_freq
+
+        engines.check(engine)
+        with torch.device("meta"):  # no default initialisation: every value is drawn once, below
+            model = VisionModel(config)
+        model.to_empty(device="cpu")
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name and name.endswith("weight"):
+                    param.fill_(1.0)
+                elif name.endswith("bias"):
+                    param.zero_()
+                else:
+                    param.normal_(0.0, 0.02, generator=gen)
+        model.inv_freq = rope_inv_freq(config)
+        model.to(dtype).requires_grad_(False).eval()
+        return cls(engines.apply(model, engine), source=Path("random"), threads=threads, engine=engine)
+
     @property
     def config(self) -> VisionConfig:
         return self.model.config

@@ -1,5 +1,6 @@
-"""The speed probe's tower: the skeleton's quantized types are the real file's, tensor for tensor, and the
-probe file loads in llama.cpp at the family's full shapes."""
+"""The speed probe's tower: the types llama.cpp's dry run plans on the skeleton are the real file's, tensor
+for tensor; the retyped tensors hold whole blocks of those types; the probe file loads in llama.cpp at the
+family's full shapes."""
 
 from __future__ import annotations
 
@@ -34,20 +35,35 @@ def _block_types(path) -> dict[str, str]:
     return {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors if t.name.startswith("blk.")}
 
 
-@pytest.mark.parametrize("quant", ["Q4_K_M", "Q3_K_M"])
-def test_the_skeleton_gets_the_real_files_type_for_every_block_tensor(small_bf16, skeleton, tmp_path, quant):
-    real = quantize.quantize_file(small_bf16, tmp_path / "real.gguf", quant)
+@pytest.mark.parametrize("quant", ["Q4_K_M", "Q3_K_M", "IQ2_M"])
+def test_the_dry_run_on_the_skeleton_plans_the_real_files_type_for_every_block_tensor(small_bf16, skeleton,
+                                                                                       tmp_path, quant):
+    real = quantize.quantize_file(small_bf16, tmp_path / "real.gguf", quant,
+                                  imatrix="uniform" if quant in quantize.NEEDS_IMATRIX else None)
     assert real["tensor_types"]  # the mixes put some layers in wider types: the comparison means something
-    probed = quantize.quantize_file(skeleton, tmp_path / "skel.gguf", quant)
-    want, got = _block_types(tmp_path / "real.gguf"), _block_types(tmp_path / "skel.gguf")
-    assert want == got
+    planned = probe_tower.planned_types(skeleton, quant)
+    want = _block_types(tmp_path / "real.gguf")
+    assert want == {name: kind for name, kind in planned.items() if name.startswith("blk.")}
     assert len(set(want.values()) - {"F32"}) >= 2  # Q4_K and Q6_K (or Q3_K, Q4_K, Q5_K): a real mix
-    assert probed["seconds"] < real["seconds"]
+    assert not skeleton.with_suffix(".dry").exists()  # a dry run writes nothing
+
+
+def test_retyped_tensors_hold_whole_blocks_of_the_planned_type(skeleton):
+    stored = probe_tower.read_tensors(skeleton)
+    retyped = probe_tower.retyped(stored, probe_tower.planned_types(skeleton, "IQ4_XS"))
+    down = retyped["blk.11.ffn_down.weight"]  # 1,536 wide: six IQ4_XS blocks of 136 bytes per row
+    assert down.qtype.name == "IQ4_XS" and down.rows.shape == (2, 6 * 136) and not down.rows.any()
+    assert retyped["blk.0.attn_norm.weight"] is stored["blk.0.attn_norm.weight"]  # F32 stays as it was
+    with pytest.raises(Exception, match="blk.0.ffn_down.weight.*whole IQ4_XS blocks"):
+        probe_tower.retyped({"blk.0.ffn_down.weight": probe_tower.StoredTensor(
+            stored["blk.0.ffn_down.weight"].qtype, np.zeros((2, 200), np.uint8), (2, 100))},
+            {"blk.0.ffn_down.weight": "IQ4_XS"})
+    with pytest.raises(ValueError, match="Q7_X is not a type"):
+        probe_tower.planned_types(skeleton, "Q7_X")
 
 
 def test_the_probe_copies_layers_close_to_the_average_and_loads_at_full_shape(skeleton, tmp_path):
-    quantize.quantize_file(skeleton, tmp_path / "skel.gguf", "Q4_K_M")
-    stored = probe_tower.read_quantized(tmp_path / "skel.gguf")
+    stored = probe_tower.retyped(probe_tower.read_tensors(skeleton), probe_tower.planned_types(skeleton, "Q4_K_M"))
     sources = probe_tower.choose_layers(stored, PRESET, 4)
     assert len(sources) == 4 and sources[3] % 4 == 3 and all(s % 4 != 3 for s in sources[:3])
     # The chosen linear layers' ffn_down bytes are the closest any three give to 3x the average.
@@ -67,7 +83,7 @@ def test_the_probe_copies_layers_close_to_the_average_and_loads_at_full_shape(sk
 
 
 def test_a_probe_needs_the_skeletons_tensors(skeleton, tmp_path):
-    stored = probe_tower.read_quantized(skeleton)
+    stored = probe_tower.read_tensors(skeleton)
     del stored["blk.0.ffn_up.weight"]
     with pytest.raises(Exception, match="blk.0.ffn_up.weight"):
         probe_tower.write_probe(tmp_path / "probe.gguf", stored, PRESET, [0, 1, 2, 3], tmp_path)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import pytest
 
@@ -20,7 +19,8 @@ SECONDS = {"Q8_0": 20.0, "Q6_K": 16.0, "Q5_K_M": 14.0, "Q4_K_M": 11.0, "IQ4_XS":
 
 
 def fake_table(seconds: dict[str, float] = SECONDS, **kw) -> speed.SpeedTable:
-    quants = {q: speed.QuantSpeed(q, (s / 8,), s - 0.07, s, round(500 / (s - 0.07), 2)) for q, s in seconds.items()}
+    quants = {q: speed.QuantSpeed(q, 128, (s / 29,), s / 29 * 464 / 128, s - 0.07, s, round(500 / (s - 0.07), 2))
+              for q, s in seconds.items()}
     quants["IQ1_S"] = speed.QuantSpeed("IQ1_S", error="RuntimeError: no such type here")
     return speed.SpeedTable(**{"family": "clef-flash", "preset": "flash9b", "tokens": 500, "threads": 2,
                                "gpu_layers": {}, "layers": 32, "probe_layers": 4, "head_seconds": 0.07,
@@ -51,7 +51,7 @@ def test_max_seconds_takes_the_most_accurate_quant_within_the_limit(faked, capsy
     out = capsys.readouterr().out
     assert "Recommended: clef-flash:Q4_K_M (on CPU)" in out
     assert "Q4_K_M is the most accurate quant that fits within 12 s: predicted 11.0 s" in out
-    assert "Speed here: one decision of 500 prompt tokens with 2 threads, measured now in 60 s." in out
+    assert "Speed here: a decision of 500 tokens with 2 threads, measured now in 60 s." in out
     row = next(line for line in out.splitlines() if line.strip().startswith("Q8_0 "))
     assert row.split()[-2:] == ["20.0", "25"]
     assert "probe failed: RuntimeError: no such type here" in out
@@ -114,6 +114,7 @@ def test_no_probe_prints_memory_only_and_refuses_what_needs_the_probe(faked, cap
     for argv, field in ((["--no-probe", "--max-seconds", "3"], "no_probe"),
                         (["--no-probe", "--prefer", "speed"], "no_probe"),
                         (["--no-probe", "--reprobe"], "reprobe"),
+                        (["--no-probe", "--picture", "448"], "picture"),
                         (["--quants", "Q4_K_M,Q9_9"], "quants")):
         with pytest.raises(InvalidValue) as err:
             pick.run(parse(*argv))
@@ -122,7 +123,8 @@ def test_no_probe_prints_memory_only_and_refuses_what_needs_the_probe(faked, cap
 
 
 @pytest.mark.parametrize("argv, words", [(["--max-seconds", "-1"], "must be >= 0 seconds"),
-                                         (["--tokens", "0"], "must be"), (["--prefer", "fast"], "invalid choice")])
+                                         (["--tokens", "0"], "must be"), (["--prefer", "fast"], "invalid choice"),
+                                         (["--picture", "0"], "must be")])
 def test_bad_flags_are_refused_by_the_parser(argv, words, capsys):
     with pytest.raises(SystemExit):
         parse(*argv)
@@ -159,9 +161,11 @@ def test_the_real_probe_times_each_quant_and_keeps_the_result(small_family, caps
     for quant in ("Q4_K_M", "Q8_0", "IQ2_XXS", "Q6_K_L"):
         row = table["quants"][quant]
         assert row["error"] is None, row
-        # A cheap prefill (under speed_run.CHEAP_S, as these are) gets three timed runs.
-        assert len(row["probe_seconds"]) == 3 and row["seconds"] > row["tower_seconds"] > 0
-        assert row["tower_seconds"] == pytest.approx(statistics.median(row["probe_seconds"]) * 12 / 4, abs=1e-3)
+        # A cheap prefill (under speed_run.CHEAP_S, as these are) is timed at the decision's length
+        # (128 tokens less the 36-token system prefix), three times: the fastest counts.
+        assert row["probe_tokens"] == 92 and len(row["probe_runs"]) == 3
+        assert row["seconds"] > row["tower_seconds"] > 0
+        assert row["tower_seconds"] == pytest.approx(min(row["probe_runs"]) * 12 / 4, abs=1e-3)
     assert speed.cache_path().is_file()
     # The second pick reads the kept result: no process, same numbers, said so.
     assert pick.run(parse("--quants", "Q4_K_M,Q8_0", "--tokens", "128", "--threads", "1")) == 0
@@ -172,6 +176,24 @@ def test_the_real_probe_times_each_quant_and_keeps_the_result(small_family, caps
     # Another token count or thread count is another measurement.
     assert speed.machine_key("small", 128, 1, {}) != speed.machine_key("small", 129, 1, {})
     assert speed.machine_key("small", 128, 1, {}) != speed.machine_key("small", 128, 2, {})
+
+
+def test_a_picture_adds_its_tokens_and_the_vision_towers_time(small_family, capsys):
+    """--picture 64: resized up to Clef-Flash's 65,536-pixel minimum, 256 x 256, 16 x 16 patches merged
+    2 x 2: 64 image tokens and the two markers."""
+    assert pick.run(parse("--quants", "Q4_0", "--tokens", "128", "--threads", "2", "--picture", "64",
+                          "--json")) == 0
+    table = json.loads(capsys.readouterr().out)["speed"]
+    assert (table["picture"], table["picture_tokens"]) == (64, 66) and table["picture_seconds"] > 0
+    row = table["quants"]["Q4_0"]
+    assert row["probe_tokens"] == 128 - 36 + 66  # the text past the system prefix, and the picture
+    assert row["seconds"] == pytest.approx(row["tower_seconds"] + table["head_seconds"] + table["picture_seconds"],
+                                           abs=1e-3)
+    assert pick.run(parse("--quants", "Q4_0", "--tokens", "128", "--threads", "2", "--picture", "64")) == 0
+    out = capsys.readouterr().out
+    assert "Speed here: a decision of 128 text tokens and one 64x64 picture (66 more tokens" in out
+    assert "kept from" in out  # the picture is part of the cache's key, and this one is kept
+    assert speed.machine_key("small", 128, 1, {}, 64) != speed.machine_key("small", 128, 1, {}, None)
 
 
 def test_a_quant_the_build_cannot_make_is_that_rows_error_not_the_probes(small_family):

@@ -162,3 +162,18 @@ def test_inputs_that_do_not_fit_are_refused(tiny_release, grids, patches, dim):
 def test_bad_settings_are_refused(tiny_release, options):
     with pytest.raises(InvalidSetting):
         VisionTower.load(tiny_release, **options)
+
+
+def test_a_random_tower_has_the_shape_it_is_given_and_its_seed_draws_it(tiny_release):
+    """``VisionTower.random`` (pick --picture times one): the config's shape, finite rows, the seed's weights,
+    and the engine applied as ``load`` applies it."""
+    config = VisionTower.load(tiny_release).config
+    a, b = VisionTower.random(config, seed=1), VisionTower.random(config, seed=1)
+    pixels, grid = torch.randn(16, config.patch_dim), torch.tensor([[1, 4, 4]])
+    rows = a.embed(pixels, grid)
+    assert rows.shape == (4, config.out_hidden_size) and torch.isfinite(rows).all()
+    assert torch.equal(rows, b.embed(pixels, grid))
+    assert not torch.equal(rows, VisionTower.random(config, seed=2).embed(pixels, grid))
+    assert VisionTower.random(config, engine="int8").engine == "int8"
+    with pytest.raises(InvalidSetting, match="vision_engine"):
+        VisionTower.random(config, engine="fast")
