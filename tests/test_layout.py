@@ -23,7 +23,8 @@ LOWER = {
     "media": {"core", "formats", "vision", "pipeline"},  # pictures and videos into prompt tokens
     "tower": {"core", "formats", "pipeline"},  # hidden states: llama.cpp, nvfp4, the caches
     "convert": {"core", "formats", "heads", "vision", "pipeline", "media", "tower"},  # writing releases
-    "models": {"core", "formats", "convert", "tower", "heads", "vision", "media"},  # catalog, downloads, device fit, speed
+    # catalog, downloads, device fit, speed (the probe times the tower, the head and a picture)
+    "models": {"core", "formats", "convert", "tower", "heads", "vision", "media"},
     "runtime": {"core", "formats", "heads", "vision", "pipeline", "media", "tower", "models"},
     "clef_gguf": {"core", "runtime"},
 }
