@@ -3,13 +3,13 @@
 ``clef-gguf pick`` asks how long one decision of ``--tokens`` prompt tokens takes with each quant the
 family publishes. For each, ``convert/probe_tower.py`` writes one full-attention interval of decoder
 layers (Clef-Flash: 3 linear-attention + 1 full-attention, hidden 4096, feed-forward 12,288, its head
-counts) whose tensors have the types the published file gives them, and ``models/speed_run.py``
-times prefills through it with the runtime's llama.cpp context and threads: at the decision's length
-when that is cheap, else 128 tokens long (32 for a type without fast kernels) and scaled linearly to
-it. The prediction scales the fastest run to the family's layer count and adds the joint head, timed
-at the family's shape:
+counts; a small test shape: all its layers) whose tensors have the types the published file gives
+them, and ``models/speed_run.py`` times prefills through it with the runtime's llama.cpp context and
+threads: at the decision's length when that is cheap, else 128 tokens long (64 for a type without
+fast kernels) and scaled linearly to it. The prediction scales the median run to the family's layer
+count and adds the joint head, timed at the family's shape (and the vision tower, with a picture):
 
-    tower = min(probe prefills) x tokens / probe tokens x layers / probe layers    decision = tower + head
+    tower = median(probe prefills) x tokens / probe tokens x layers / probe layers    decision = tower + head
 
 A timed prefill is the runtime's tower stage (``Tower.forward``): the release's 36-token system prefix
 is decoded once and kept, and each decision restores it and decodes the rest of ``--tokens``.
@@ -28,6 +28,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -36,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from clef_gguf.convert.big import preset_config
+from clef_gguf.convert.big import needed_bytes, preset_config
 from clef_gguf.core.errors import InvalidValue
 from clef_gguf.core.limits import SYSTEM_PREFIX_TOKENS
 from clef_gguf.models.hfcache import clef_home
@@ -51,6 +52,10 @@ PRESETS = {"clef-flash": "flash9b"}
 # Published files that are another type's mix with token_embd and output at Q8_0 (bartowski's "_L"
 # and "_XL"): the probe never multiplies by those two matrices, so they time as their base type.
 SAME_LAYERS = {"Q6_K_L": "Q6_K", "Q5_K_L": "Q5_K_M", "Q4_K_L": "Q4_K_M", "Q3_K_XL": "Q3_K_L", "Q2_K_L": "Q2_K"}
+# A tower whose bf16 file is under this is probed whole: no layer to choose or scale. On the ~110M test
+# shape, four of its 12 layers (8 MB at Q4) ran from the CPU's cache where the whole tower did not:
+# scaled, they under-predicted it by up to a third.
+WHOLE_TOWER_BYTES = 1 << 30
 SCRATCH_BYTES = 4 << 30  # /dev/shm must have this free to hold the probe's files
 TIMEOUT_S = 900  # the whole probe; one quant's hang must not hang pick
 
@@ -62,7 +67,7 @@ class QuantSpeed:
     quant: str
     probe_tokens: int | None = None  # the timed prefills' length (speed_run._time_tower chooses it)
     probe_runs: tuple[float, ...] = ()  # seconds of each, through the probe's layers
-    probe_seconds: float | None = None  # the fastest, scaled to the decision's length
+    probe_seconds: float | None = None  # their median, scaled to the decision's length
     tower_seconds: float | None = None
     seconds: float | None = None  # the whole decision: tower + head
     tokens_per_second: float | None = None  # prompt tokens through the whole tower
@@ -107,6 +112,12 @@ class SpeedTable:
     def from_dict(cls, d: dict[str, Any]) -> SpeedTable:
         quants = {q: QuantSpeed(**{**s, "probe_runs": tuple(s["probe_runs"])}) for q, s in d["quants"].items()}
         return cls(**{**d, "quants": quants})
+
+
+def probe_layers(p: dict) -> int:
+    """The probe's layers for ``convert.big`` shape ``p``: all of them when its bf16 tower is under
+    ``WHOLE_TOWER_BYTES``, else one full-attention interval (Clef-Flash: 4 of 32)."""
+    return p["layers"] if needed_bytes(p, "bf16")[1] <= WHOLE_TOWER_BYTES else p["interval"]
 
 
 def preset_for(family: str) -> str | None:
@@ -259,7 +270,7 @@ def measure(family: str, quants: list[str], *, tokens: int = DEFAULT_TOKENS, thr
         spec = {"workdir": tmp, "preset": preset, "quants": probed, "tokens": decoded, "threads": threads,
                 "prefix": tokens - decoded,
                 "gpu_layers": {SAME_LAYERS.get(q, q): n for q, n in gpu_layers.items()},
-                "probe_layers": p["interval"], "head": p["head"], "picture": picture,
+                "probe_layers": probe_layers(p), "layers": p["layers"], "head": p["head"], "picture": picture,
                 "head_tokens": tokens}  # the head reads every hidden state, the prefix's too
         got = _run_child(spec, start + timeout)
     head = got.head
@@ -268,7 +279,7 @@ def measure(family: str, quants: list[str], *, tokens: int = DEFAULT_TOKENS, thr
                            field="probe")
     picture_tokens, picture_seconds = got.picture_tokens or 0, got.picture_seconds or 0.0
     decoded += picture_tokens
-    scale = p["layers"] / p["interval"]
+    scale = p["layers"] / spec["probe_layers"]
     out = dict(known.quants) if known is not None else {}
     for q in wanted:
         row = got.rows.get(SAME_LAYERS.get(q, q)) or {"error": "not measured (the probe ran out of time)"}
@@ -276,11 +287,13 @@ def measure(family: str, quants: list[str], *, tokens: int = DEFAULT_TOKENS, thr
             out[q] = QuantSpeed(q, error=str(row["error"]))
             continue
         n, runs = int(row["probe_tokens"]), tuple(float(t) for t in row["probe_runs"])
-        at = min(runs) * decoded / n  # a prefill's time is linear in its tokens (speed_run._time_tower)
+        # The median, as a decision's typical time (the check measures decisions so: median of 3); a
+        # prefill's time is linear in its tokens (speed_run._time_tower)
+        at = statistics.median(runs) * decoded / n
         tower = at * scale
         out[q] = QuantSpeed(q, n, runs, round(at, 4), round(tower, 4), round(tower + head + picture_seconds, 4),
                             round(decoded / tower, 2))
-    table = SpeedTable(family, preset, tokens, threads, gpu_layers, p["layers"], p["interval"], round(head, 4),
+    table = SpeedTable(family, preset, tokens, threads, gpu_layers, p["layers"], spec["probe_layers"], round(head, 4),
                        out, key, datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                        round(time.monotonic() - start, 1), picture, picture_tokens, round(picture_seconds, 4))
     _write_cache(table)

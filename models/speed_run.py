@@ -25,7 +25,7 @@ CHEAP_S = 1.0  # a decision-length prefill predicted under this is timed at that
 PROBE_TOKENS = 128  # else the timed prefills are this long, and scaled to the decision's length
 SLOW_S = 2.0  # ... or, for a type whose PROBE_TOKENS prefill would take longer (Q4_1 and Q5_1 have
 SLOW_TOKENS = 64  # no fast kernel here), this long; and a SHORT prefill that took longer is the run
-RUNS = 2  # timed prefills per quant (three at decision length); the fastest counts: noise only adds
+RUNS = 2  # timed prefills per quant (three at decision length); speed.py takes their median
 
 
 def _time_tower(path: Path, tokens: int, threads: int, gpu_layers: int, prefix: int) -> tuple[int, list[float]]:
@@ -33,9 +33,11 @@ def _time_tower(path: Path, tokens: int, threads: int, gpu_layers: int, prefix: 
 
     Each timed prefill is a decision's tower stage as the runtime runs it (``Tower.forward``,
     ``tower/schedule.py``): the ``prefix``-token system prefix is decoded once and kept, and every
-    decision after restores it and decodes its state and its rest, two decodes. On the ~110M model
-    that restore and the second decode's setup were a fifth of a decision: one decode of the same
-    tokens under-predicted it.
+    decision after restores it and decodes the rest. A decision timed at its own length decodes its
+    state and its rest apart, as the runtime does (half each here); on the ~110M model that restore
+    and the second decode were a fifth of a decision. A shorter prefill, scaled, is decoded whole:
+    the linear-attention layers work in chunks of 64 tokens, so two decodes of 32 cost what one of
+    128 does, and scaling them would multiply that.
 
     A prefill's time grows linearly with its tokens (the matmuls; attention's quadratic part is
     under 1% at these lengths), so all but a cheap one are timed shorter than the decision and
@@ -48,7 +50,7 @@ def _time_tower(path: Path, tokens: int, threads: int, gpu_layers: int, prefix: 
 
     def timed(n: int) -> float:
         start = time.perf_counter()
-        tower.forward(ids[:prefix + n], prefix, n // 2, None)  # [prefix][state: n // 2][rest]
+        tower.forward(ids[:prefix + n], prefix, n // 2 if n == tokens else 0, None)  # [prefix][state][rest]
         return time.perf_counter() - start
 
     with Tower.load(path, threads=threads, gpu_layers=gpu_layers) as tower:
@@ -148,9 +150,13 @@ def main(spec_path: str) -> int:
         start = time.perf_counter()
         probe = workdir / f"probe-{quant}.gguf"
         try:
-            # BF16: the skeleton's own types, what the converter writes for BF16
-            stored = probe_tower.retyped(skeleton_tensors, {} if quant == "BF16" else
-                                         probe_tower.planned_types(skeleton, quant, spec["threads"]))
+            if quant == "BF16":  # the skeleton's own types, what the converter writes for BF16
+                stored = skeleton_tensors
+            elif spec["probe_layers"] == spec["layers"]:  # a small tower, probed whole: real rows
+                stored = probe_tower.quantized(skeleton, quant, workdir, spec["threads"])
+            else:
+                stored = probe_tower.retyped(skeleton_tensors,
+                                             probe_tower.planned_types(skeleton, quant, spec["threads"]))
             sources = probe_tower.choose_layers(stored, spec["preset"], spec["probe_layers"])
             written = probe_tower.write_probe(probe, stored, spec["preset"], sources, workdir)
             n, runs = _time_tower(probe, tokens, spec["threads"], spec["gpu_layers"].get(quant, 0), spec["prefix"])

@@ -62,6 +62,16 @@ def test_retyped_tensors_hold_whole_blocks_of_the_planned_type(skeleton):
         probe_tower.planned_types(skeleton, "Q7_X")
 
 
+def test_a_quantized_skeleton_has_the_planned_types_and_real_rows(skeleton, tmp_path):
+    """The small tower probed whole gets llama.cpp's quantized rows (an IQ type's lookups cost by value)."""
+    stored = probe_tower.quantized(skeleton, "IQ2_XXS", tmp_path)
+    planned = probe_tower.planned_types(skeleton, "IQ2_XXS")
+    assert {n: t.qtype.name for n, t in stored.items() if n.startswith("blk.")} == \
+        {n: k for n, k in planned.items() if n.startswith("blk.")}
+    assert stored["blk.11.ffn_up.weight"].rows.any()  # quantized values, not zeros
+    assert not list(tmp_path.glob("skeleton-*.gguf"))  # the quantized file is not kept
+
+
 def test_the_probe_copies_layers_close_to_the_average_and_loads_at_full_shape(skeleton, tmp_path):
     stored = probe_tower.retyped(probe_tower.read_tensors(skeleton), probe_tower.planned_types(skeleton, "Q4_K_M"))
     sources = probe_tower.choose_layers(stored, PRESET, 4)
@@ -80,6 +90,11 @@ def test_the_probe_copies_layers_close_to_the_average_and_loads_at_full_shape(sk
         assert tower.n_layer == 4 and tower.n_embd == 512
         hidden = tower.hidden_states(np.arange(300, 364, dtype=np.int32))
     assert hidden.shape == (64, 512) and np.isfinite(hidden).all()
+
+
+def test_a_probe_of_every_layer_copies_each_as_it_is(skeleton):
+    stored = probe_tower.retyped(probe_tower.read_tensors(skeleton), probe_tower.planned_types(skeleton, "Q4_K_M"))
+    assert probe_tower.choose_layers(stored, PRESET, 12) == list(range(12))
 
 
 def test_a_probe_needs_the_skeletons_tensors(skeleton, tmp_path):
