@@ -316,8 +316,6 @@ def dry_run(ll, spec: dict, p) -> dict[str, str] | None:
     the parent reads failures."""
     import ctypes
 
-    from llama_cpp import _logger
-
     log: list[str] = []
 
     @ll.llama_log_callback
@@ -326,13 +324,17 @@ def dry_run(ll, spec: dict, p) -> dict[str, str] | None:
         log.append(chunk)
         sys.stderr.write(chunk)
 
+    # The callback in place before (the tower's, which reads compute buffer sizes from the log, when
+    # this runs in a process that also decodes: pick's probe, the tests) is put back after.
+    before, before_data = ll.llama_log_callback(), ctypes.c_void_p()
+    ll.llama_log_get(ctypes.byref(before), ctypes.byref(before_data))
     ll.llama_log_set(collect, ctypes.c_void_p(0))
     p.dry_run = True
     try:
         rc = ll.llama_model_quantize(spec["src"].encode(), spec["dst"].encode(), ctypes.byref(p))
     finally:
         p.dry_run = False
-        ll.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
+        ll.llama_log_set(before, before_data)
     return keep_layers_mod.planned_types("".join(log)) if rc == 0 else None
 
 
