@@ -149,22 +149,12 @@ def quantized(skeleton: Path, quant: str, workdir: Path, threads: int = 1) -> di
     one): every tensor's rows as the quantizer writes them. For a probe of a whole small tower, whose
     weights then sit in the CPU's cache: there an IQ type's grid lookups cost by their values, and
     zeros (``retyped``) under-stated IQ2 and IQ3 types by ~30% on the ~110M shape."""
-    from clef_gguf.convert import imatrix as im
-
     if quant not in quantize.QUANT_TYPES:
         raise ValueError(f"{quant} is not a type this llama.cpp build quantizes to")
     out = workdir / f"skeleton-{quant}.gguf"
-    spec = {"src": str(skeleton), "dst": str(out), "ftype": quantize.QUANT_TYPES[quant], "threads": threads,
-            "output_type": None, "token_embedding_type": None, "imatrix": None, "imatrix_meta": {},
-            "keep_layers": None}
-    if quant in quantize.NEEDS_IMATRIX:  # flat weights: the values do not matter to the time
-        path = workdir / "uniform.imatrix.gguf"
-        if not path.exists():
-            im.write(path, im.uniform_for(skeleton))
-        spec["imatrix"] = str(path)
-    try:
-        if quantize._child(spec) != 0:
-            raise RuntimeError(f"llama.cpp could not quantize the probe skeleton to {quant}")
+    try:  # flat weights where the type needs an importance matrix: the values do not matter to the time
+        quantize.quantize_file(skeleton, out, quant, threads=threads,
+                               imatrix="uniform" if quant in quantize.NEEDS_IMATRIX else None)
         # copies: the rows outlive the file
         return {name: StoredTensor(t.qtype, t.rows.copy(), t.dims) for name, t in read_tensors(out).items()}
     finally:
