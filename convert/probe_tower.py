@@ -15,7 +15,7 @@ values, so the probe runs a small file whose layers cost what the real file's la
    hold, role by role, the bytes closest to the model's average layer of their kind.
 3. ``write_probe``: one full-attention interval of layers (3 linear-attention + 1 full-attention for
    Clef-Flash: both kinds in their real ratio) at full shape, each matrix the skeleton's rows in their
-   type repeated to the real row count.
+   type repeated to the real row count; a matrix of zeros is a hole in the file, not written.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -163,15 +164,17 @@ def quantized(skeleton: Path, quant: str, workdir: Path, threads: int = 1) -> di
 
 def retyped(skeleton: dict[str, StoredTensor], planned: dict[str, str]) -> dict[str, StoredTensor]:
     """The skeleton with each tensor in the type ``planned`` names (llama.cpp's quantizer's dry run for
-    a quant): rows of zeros of that type. A matmul's time is its type and shape, not its values
-    (measured at Clef-Flash's shape, 128-token prefills, median of 4: a probe of zeros took 0.93-1.05x
-    the time of one of quantized random weights for Q4_K_M, Q8_0, IQ2_XS, Q6_K, IQ4_XS and Q5_1);
-    quantizing would cost the probe the IQ types' grid set-up, ~16 s of it."""
+    a quant; nothing planned: the skeleton's own, the bf16 probe): rows of zeros of that type, but for
+    the F32 tensors, kept as they are (norms, convolutions, decay rates). A matmul's time is its type
+    and shape, not its values (measured at Clef-Flash's shape, 128-token prefills, median of 4: a
+    probe of zeros took 0.93-1.05x the time of one of quantized random weights for Q4_K_M, Q8_0,
+    IQ2_XS, Q6_K, IQ4_XS and Q5_1); quantizing would cost the probe the IQ types' grid set-up, ~16 s
+    of it."""
     ensure_gguf_types()  # Q2_0 is not in PyPI gguf's tables
     out = {}
     for name, t in skeleton.items():
         kind = planned.get(name, t.qtype.name)
-        if kind == t.qtype.name:
+        if kind == t.qtype.name == "F32":  # norms, convolutions, decay rates: their values, as written
             out[name] = t
             continue
         qtype = gguf.GGMLQuantizationType[kind]
@@ -258,7 +261,35 @@ def write_probe(path: Path, stored: dict[str, StoredTensor], preset: str, source
             parts.append((src.rows, len(src.rows)))
             dims = [*src.dims[:-1], src.row_bytes]
         writer.add_tensor_info(name, dims, np.dtype(np.uint8), parts[-1][1] * src.row_bytes, raw_dtype=src.qtype)
-    # One tensor in memory at a time: a bf16 probe is 1.7 GB, and it is written to memory (/dev/shm).
-    stream_gguf(writer, path, (rows if count == len(rows) else np.tile(rows, (-(-count // len(rows)), 1))[:count]
-                               for rows, count in parts))
+    _write_sparse(writer, path, parts)
     return {"layers": len(sources), "sources": sources, "bytes": path.stat().st_size}
+
+
+def _write_sparse(writer: gguf.GGUFWriter, path: Path, parts: list[tuple[np.ndarray, int]]) -> None:
+    """The GGUF's header from ``writer``, then each tensor's rows tiled to its count, at the offsets
+    ``write_ti_data_to_file`` gave them (each padded to the alignment). A tensor whose rows are all
+    zeros (``retyped``'s) is left a hole the file system reads back as zeros: a Clef-Flash probe is up
+    to 1.7 GB, and tiling and writing it cost ~0.6 s per quant (BF16 7.6 s, on a 2-core AVX2 VM); a
+    hole costs ~10 ms (llama.cpp's load then maps zero pages: BF16's 2.5-3.4 s). The file appears
+    under its name only when complete, as ``stream_gguf``'s do."""
+    tmp = path.with_name(path.name + ".partial")
+    align = writer.data_alignment
+    try:
+        writer.write_header_to_file(path=tmp)
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        writer.close()
+        with open(tmp, "r+b") as f:
+            offset = gguf.GGUFWriter.ggml_pad(f.seek(0, 2), align)
+            for rows, count in parts:  # one tensor in memory at a time
+                if rows.any():
+                    f.seek(offset)
+                    full = rows if count == len(rows) else np.tile(rows, (-(-count // len(rows)), 1))[:count]
+                    f.write(np.ascontiguousarray(full).data)
+                offset += gguf.GGUFWriter.ggml_pad(count * rows.shape[1], align)
+            f.truncate(offset)  # the last tensors may be holes, and GGUF pads the data's end too
+        os.replace(tmp, path)
+    except BaseException:
+        writer.close()
+        tmp.unlink(missing_ok=True)
+        raise

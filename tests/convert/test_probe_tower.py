@@ -102,3 +102,27 @@ def test_a_probe_needs_the_skeletons_tensors(skeleton, tmp_path):
     del stored["blk.0.ffn_up.weight"]
     with pytest.raises(Exception, match="blk.0.ffn_up.weight"):
         probe_tower.write_probe(tmp_path / "probe.gguf", stored, PRESET, [0, 1, 2, 3], tmp_path)
+
+
+def test_zero_tensors_are_holes_in_the_probe_and_every_tensor_reads_back(skeleton, tmp_path):
+    """The bf16 probe at a big shape: its matrices zeros (``retyped`` with nothing planned), written as
+    holes, read back as zeros; a tensor with values among them (a whole-tower probe's rows) is tiled."""
+    real = probe_tower.read_tensors(skeleton)
+    stored = probe_tower.retyped(real, {})
+    up = stored["blk.0.ffn_up.weight"]
+    assert up.qtype.name == "BF16" and not up.rows.any()
+    assert stored["blk.0.attn_norm.weight"] is real["blk.0.attn_norm.weight"]  # F32: its values
+    stored["blk.0.ffn_up.weight"] = real["blk.0.ffn_up.weight"]
+    path = tmp_path / "probe.gguf"
+    probe_tower.write_probe(path, stored, PRESET, [0, 1, 2, 3], tmp_path)
+    tensors = {t.name: np.asarray(t.data).view(np.uint8) for t in gguf.GGUFReader(str(path)).tensors}
+    assert np.array_equal(tensors["blk.0.ffn_up.weight"].reshape(1536, -1),
+                          np.tile(real["blk.0.ffn_up.weight"].rows, (768, 1)))  # 2 rows to 1,536
+    assert not tensors["blk.1.ffn_up.weight"].any() and tensors["blk.1.ffn_up.weight"].size == 1536 * 1024
+    assert np.array_equal(tensors["blk.0.attn_norm.weight"], real["blk.0.attn_norm.weight"].rows.ravel())
+    size = path.stat().st_size
+    assert path.stat().st_blocks * 512 < size / 2  # the zeros take no space
+    assert not list(tmp_path.glob("*.partial"))
+    with Tower.load(path, threads=1) as tower:
+        hidden = tower.hidden_states(np.arange(300, 332, dtype=np.int32))
+    assert hidden.shape == (32, 512) and np.isfinite(hidden).all()
