@@ -11,8 +11,9 @@ count and adds the joint head, timed at the family's shape (and the vision tower
 
     tower = median(probe prefills) x tokens / probe tokens x layers / probe layers    decision = tower + head
 
-A timed prefill is the runtime's tower stage (``Tower.forward``): the release's 36-token system prefix
-is decoded once and kept, and each decision restores it and decodes the rest of ``--tokens``.
+A timed prefill is the runtime's tower stage (``Tower.forward``): the system prefix is decoded once
+and kept, and each decision restores it and decodes the rest of ``--tokens`` (the probe keeps 4 tokens
+of the release's 36: the rest's time does not depend on them, ``speed_run.PREFIX``).
 
 Encoding, lexical rows and the answer are under a millisecond each (BENCHMARKS.md) and are left out.
 The results are kept per machine, llama.cpp build, thread count, GPU placement and token count in

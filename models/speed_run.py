@@ -20,32 +20,44 @@ import numpy as np
 
 
 WARM = 4  # tokens of the warm-up prefill: first-call allocations and kernel selection, off the clock
+# Tokens of the system prefix the probe decodes once and keeps (the runtime's is 36). The rest's time
+# does not depend on it: 128-token prefills after a 4- and a 36-token prefix took the same time within
+# 2% for BF16, Q8_0, Q4_K_M, Q4_K_S, IQ2_XS, Q2_K and Q2_0 (Clef-Flash's shape, 3 runs each, twice),
+# while decoding 36 cost each quant's warm-up 0.2-0.3 s more (Q2_0: 4.6 s), ~11 s of the whole probe.
+PREFIX = 4
 SHORT = 16  # tokens of the prefill that says how long the others will take
 CHEAP_S = 1.0  # a decision-length prefill predicted under this is timed at that length
 PROBE_TOKENS = 128  # else the timed prefills are this long, and scaled to the decision's length
 SLOW_S = 2.0  # ... or, for a type whose PROBE_TOKENS prefill would take longer (Q4_1 and Q5_1 have
 SLOW_TOKENS = 64  # no fast kernel here), this long; and a SHORT prefill that took longer is the run
-RUNS = 2  # timed prefills per quant (three at decision length); speed.py takes their median
+# Timed prefills per quant, of PROBE_TOKENS; speed.py takes their median. One alone saved ~25 s of the
+# ~80 s probe but let a single slow run through: a 9B IQ4_XS prediction at 2.04x its measured decision
+# (the median of two: 1.10-1.13x). Three at a cheap decision's own length: its single runs moved by a
+# third on the ~110M model.
+RUNS = 2
+CHEAP_RUNS = 3
 
 
 def _time_tower(path: Path, tokens: int, threads: int, gpu_layers: int, prefix: int) -> tuple[int, list[float]]:
     """(prompt tokens past the system prefix of the timed prefills, seconds of each) through the probe.
 
     Each timed prefill is a decision's tower stage as the runtime runs it (``Tower.forward``,
-    ``tower/schedule.py``): the ``prefix``-token system prefix is decoded once and kept, and every
-    decision after restores it and decodes the rest. A decision timed at its own length decodes its
-    state and its rest apart, as the runtime does (half each here); on the ~110M model that restore
-    and the second decode were a fifth of a decision. A shorter prefill, scaled, is decoded whole:
-    the linear-attention layers work in chunks of 64 tokens, so two decodes of 32 cost what one of
-    128 does, and scaling them would multiply that.
+    ``tower/schedule.py``): the system prefix (at most ``PREFIX`` of the runtime's ``prefix`` tokens)
+    is decoded once and kept, and every decision after restores it and decodes the rest. A decision
+    timed at its own length decodes its state and its rest apart, as the runtime does (half each
+    here); on the ~110M model that restore and the second decode were a fifth of a decision. A
+    shorter prefill, scaled, is decoded whole: the linear-attention layers work in chunks of 64
+    tokens, so two decodes of 32 cost what one of 128 does, and scaling them would multiply that.
 
-    A prefill's time grows linearly with its tokens (the matmuls; attention's quadratic part is
-    under 1% at these lengths), so all but a cheap one are timed shorter than the decision and
-    scaled: a full-length prefill of each of Clef-Flash's quants took the probe 81 s of its 132
-    (Q5_1: 12 s for 464 tokens through four layers; Q2_0: ~90 s). Shorter prefills over-state the
-    time per token a little (a per-call part); the probe's accuracy is measured in BENCHMARKS.md."""
+    From ``PROBE_TOKENS`` on, a prefill's time grows about linearly with its tokens, so all but a
+    cheap one are timed that long and scaled: a full-length prefill of each of Clef-Flash's quants
+    took the probe 81 s of its 132 (Q5_1: 12 s for 464 tokens through four layers; Q2_0: ~90 s).
+    Shorter ones would over-state it: on an AVX-512 machine a K- or IQ-quant's 64-token prefill took
+    18-28% longer per token than a 128-token one, and 256 or 464 tokens 3-12% less (Q4_0, Q5_0,
+    Q5_1 and BF16 were flat from 64). The probe's accuracy is measured in BENCHMARKS.md."""
     from clef_gguf.tower.llama_tower import Tower
 
+    prefix = min(prefix, PREFIX)
     ids = np.random.default_rng(0).integers(300, 512, size=prefix + tokens).astype(np.int32)
 
     def timed(n: int) -> float:
@@ -60,7 +72,7 @@ def _time_tower(path: Path, tokens: int, threads: int, gpu_layers: int, prefix: 
         per_token = first / short  # over-states a longer prefill's: its per-call part is in it
         if per_token * tokens <= CHEAP_S:
             timed(tokens)  # a longer prefill's first run touches buffers the short ones did not
-            return tokens, [timed(tokens) for _ in range(RUNS + 1)]
+            return tokens, [timed(tokens) for _ in range(CHEAP_RUNS)]
         if first > SLOW_S:  # Q2_0 here: ~3 s for 16 tokens through Clef-Flash's four layers
             return short, [first]
         n = min(tokens, PROBE_TOKENS if per_token * PROBE_TOKENS <= SLOW_S else SLOW_TOKENS)
@@ -150,9 +162,10 @@ def main(spec_path: str) -> int:
         start = time.perf_counter()
         probe = workdir / f"probe-{quant}.gguf"
         try:
+            whole = spec["probe_layers"] == spec["layers"]  # a small tower, probed whole: real rows
             if quant == "BF16":  # the skeleton's own types, what the converter writes for BF16
-                stored = skeleton_tensors
-            elif spec["probe_layers"] == spec["layers"]:  # a small tower, probed whole: real rows
+                stored = skeleton_tensors if whole else probe_tower.retyped(skeleton_tensors, {})
+            elif whole:
                 stored = probe_tower.quantized(skeleton, quant, workdir, spec["threads"])
             else:
                 stored = probe_tower.retyped(skeleton_tensors,
