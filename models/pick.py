@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "one interval of the family's decoder layers (3 linear-attention + 1 full-attention, at the real "
         "shapes, in each quant's tensor types) is prefilled through this llama.cpp build with the "
         "runtime's threads (128-token prefills, scaled), scaled to the whole tower, plus the joint head "
-        "(and the vision tower, with --picture). 79-91 s for all of Clef-Flash's quants on 2 cores; kept per "
+        "(and the vision tower, with --picture). 77-94 s for all of Clef-Flash's quants on 2 cores; kept per "
         "machine, llama.cpp build, threads, --tokens and --picture, so the next pick is instant.")
     speed_flags.add_argument("--tokens", type=positive_int, default=speed.DEFAULT_TOKENS, metavar="N",
                              help=f"prompt tokens of the decision to time (default {speed.DEFAULT_TOKENS}, "
