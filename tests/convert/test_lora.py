@@ -23,7 +23,7 @@ from clef_gguf.convert.release import convert_release
 from clef_gguf.convert.tiny import build_release
 from clef_gguf.core.errors import AdapterMismatch, ConversionError, CorruptModel, HeadMismatch, ModelNotFound
 from clef_gguf.formats.finetune_files import AdapterFiles, read_adapter_manifest
-from clef_gguf.tower.llama import ensure_backend
+from clef_gguf.tower.llama import ensure_backend, extra_buffer_types
 
 PREFIX = "base_model.model.model.language_model."
 V_TILES = frozenset(EDIT_SIDE)
@@ -57,6 +57,9 @@ def _hidden(tower: Path, ids: np.ndarray, adapter: Path | None = None) -> np.nda
     """Post-norm hidden states of one prompt through llama.cpp, optionally with a LoRA applied."""
     ensure_backend()
     params = ll.llama_model_default_params()
+    # The runtime's choice (tower/llama.py): on an AMX CPU, llama.cpp's AMX-repacked Q8_0 weights
+    # segfault decoding with a LoRA applied, so the runtime loads without extra buffer types there.
+    params.use_extra_bufts = extra_buffer_types()
     model = ll.llama_model_load_from_file(str(tower).encode(), params)
     assert model
     lora = None
