@@ -158,11 +158,11 @@ def main(spec_path: str) -> int:
     if not spec.get("head_known"):
         say({"head_seconds": _time_head(spec["head"], head_tokens, spec["threads"], 3)})
     skeleton_tensors = probe_tower.read_tensors(skeleton)
+    whole = spec["probe_layers"] == spec["layers"]  # a small tower, probed whole: real rows
     for quant in spec["quants"]:
         start = time.perf_counter()
         probe = workdir / f"probe-{quant}.gguf"
         try:
-            whole = spec["probe_layers"] == spec["layers"]  # a small tower, probed whole: real rows
             if quant == "BF16":  # the skeleton's own types, what the converter writes for BF16
                 stored = skeleton_tensors if whole else probe_tower.retyped(skeleton_tensors, {})
             elif whole:
