@@ -17,7 +17,7 @@ import contextlib
 import hashlib
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -249,22 +249,31 @@ def plan_tensors(src: Path, arch: str, text: dict, outtype: str) -> tuple[tm.Dim
 
 # --------------------------------------------------------------------------- writing
 
-def stream_gguf(writer: gguf.GGUFWriter, path: Path, payloads: Iterable[np.ndarray]) -> None:
-    """Header, then each tensor's bytes as they come (one tensor in memory at a time); the file
-    appears under its name only when complete, so a failed run never leaves a loadable half."""
+@contextlib.contextmanager
+def whole_gguf(writer: gguf.GGUFWriter, path: Path) -> Iterator[Path]:
+    """``writer``'s header, key-values and tensor infos written to ``PATH.partial``, whose path the
+    block gets to add the tensors' data; the file appears under its name only when the block ends
+    without an error, so a failed run never leaves a loadable half."""
     tmp = path.with_name(path.name + ".partial")
     try:
         writer.write_header_to_file(path=tmp)
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        for data in payloads:
-            writer.write_tensor_data(data)
+        yield tmp
         writer.close()
         os.replace(tmp, path)
     except BaseException:
         writer.close()
         tmp.unlink(missing_ok=True)
         raise
+
+
+def stream_gguf(writer: gguf.GGUFWriter, path: Path, payloads: Iterable[np.ndarray]) -> None:
+    """Header, then each tensor's bytes as they come (one tensor in memory at a time), as a whole file
+    (``whole_gguf``)."""
+    with whole_gguf(writer, path):
+        for data in payloads:
+            writer.write_tensor_data(data)
 
 
 def write_tower(src: Path, path: Path, *, outtype: str = "f32", name: str = "clef",

@@ -23,7 +23,6 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,7 +33,7 @@ import torch
 from clef_gguf.convert import gguf_vocab, quantize, tiny
 from clef_gguf.convert import tensor_map as tm
 from clef_gguf.convert.big import plan, preset_config
-from clef_gguf.convert.hf_to_gguf import _add_metadata, stream_gguf
+from clef_gguf.convert.hf_to_gguf import _add_metadata, stream_gguf, whole_gguf
 from clef_gguf.core.errors import ConversionError
 from clef_gguf.formats.gguf import ensure_gguf_types
 
@@ -271,14 +270,10 @@ def _write_sparse(writer: gguf.GGUFWriter, path: Path, parts: list[tuple[np.ndar
     zeros (``retyped``'s) is left a hole the file system reads back as zeros: a Clef-Flash probe is up
     to 1.7 GB, and tiling and writing it cost ~0.6 s per quant (BF16 7.6 s, on a 2-core AVX2 VM); a
     hole costs ~10 ms (llama.cpp's load then maps zero pages: BF16's 2.5-3.4 s). The file appears
-    under its name only when complete, as ``stream_gguf``'s do."""
-    tmp = path.with_name(path.name + ".partial")
+    under its name only when complete (``whole_gguf``)."""
     align = writer.data_alignment
-    try:
-        writer.write_header_to_file(path=tmp)
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        writer.close()
+    with whole_gguf(writer, path) as tmp:
+        writer.close()  # the header is out; the tensors go at their offsets below
         with open(tmp, "r+b") as f:
             offset = gguf.GGUFWriter.ggml_pad(f.seek(0, 2), align)
             for rows, count in parts:  # one tensor in memory at a time
@@ -288,8 +283,3 @@ def _write_sparse(writer: gguf.GGUFWriter, path: Path, parts: list[tuple[np.ndar
                     f.write(np.ascontiguousarray(full).data)
                 offset += gguf.GGUFWriter.ggml_pad(count * rows.shape[1], align)
             f.truncate(offset)  # the last tensors may be holes, and GGUF pads the data's end too
-        os.replace(tmp, path)
-    except BaseException:
-        writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
