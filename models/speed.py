@@ -5,11 +5,14 @@ family publishes. For each, ``convert/probe_tower.py`` writes one full-attention
 layers (Clef-Flash: 3 linear-attention + 1 full-attention, hidden 4096, feed-forward 12,288, its head
 counts; a small test shape: all its layers) whose tensors have the types the published file gives
 them, and ``models/speed_run.py`` times prefills through it with the runtime's llama.cpp context and
-threads: at the decision's length when that is cheap, else 128 tokens long (64 for a type without
-fast kernels) and scaled linearly to it. The prediction scales the median run to the family's layer
-count and adds the joint head, timed at the family's shape (and the vision tower, with a picture):
+threads: at the decision's length when that is cheap, else 16 and 64 tokens long. A prefill's time is
+a part per ``llama_decode`` call and a part per token (``speed_run._time_tower``); the line through the
+fastest of each length gives both, and the prediction adds up a decision's calls and tokens, scales it
+to the family's layer count and adds the joint head, timed at the family's shape (and the vision
+tower, with a picture):
 
-    tower = median(probe prefills) x tokens / probe tokens x layers / probe layers    decision = tower + head
+    per_token = (t64 - t16) / 48    per_call = t16 - 16 x per_token
+    tower = (calls x per_call + tokens x per_token) x layers / probe layers    decision = tower + head
 
 A timed prefill is the runtime's tower stage (``Tower.forward``): the system prefix is decoded once
 and kept, and each decision restores it and decodes the rest of ``--tokens`` (the probe keeps 4 tokens
@@ -40,11 +43,11 @@ from typing import Any
 
 from clef_gguf.convert.big import needed_bytes, preset_config
 from clef_gguf.core.errors import InvalidValue
-from clef_gguf.core.limits import SYSTEM_PREFIX_TOKENS
+from clef_gguf.core.limits import DECODE_CHUNK, SYSTEM_PREFIX_TOKENS
 from clef_gguf.models.hfcache import clef_home
 from clef_gguf.models.placement import Recommendation
 
-FORMAT = "clef-gguf-speed-probe/2"
+FORMAT = "clef-gguf-speed-probe/3"  # 3: the line through two lengths (2 scaled one)
 DEFAULT_TOKENS = 500
 PREFERENCES = ("quality", "speed")
 # Families whose every tower shape is confirmed (convert.big's preset). The 27B's linear-attention and
@@ -68,11 +71,13 @@ class QuantSpeed:
     quant: str
     probe_tokens: int | None = None  # the timed prefills' length (speed_run._time_tower chooses it)
     probe_runs: tuple[float, ...] = ()  # seconds of each, through the probe's layers
-    probe_seconds: float | None = None  # their median, scaled to the decision's length
+    probe_seconds: float | None = None  # the decision's time through the probe's layers (tower_seconds)
     tower_seconds: float | None = None
     seconds: float | None = None  # the whole decision: tower + head
     tokens_per_second: float | None = None  # prompt tokens through the whole tower
     error: str | None = None
+    short_tokens: int | None = None  # the line's short end (None: the runs are scaled, or the decision's own)
+    short_runs: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -111,7 +116,8 @@ class SpeedTable:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SpeedTable:
-        quants = {q: QuantSpeed(**{**s, "probe_runs": tuple(s["probe_runs"])}) for q, s in d["quants"].items()}
+        quants = {q: QuantSpeed(**{**s, "probe_runs": tuple(s["probe_runs"]),
+                                     "short_runs": tuple(s.get("short_runs", ()))}) for q, s in d["quants"].items()}
         return cls(**{**d, "quants": quants})
 
 
@@ -241,6 +247,29 @@ def _run_child(spec: dict[str, Any], deadline: float) -> _ChildResult:
     return got
 
 
+def decode_calls(tokens: int) -> int:
+    """``llama_decode`` calls of a decision that decodes ``tokens`` past the kept prefix: its state and
+    its rest apart (``tower/schedule.py``; the probe takes half each), each in chunks of DECODE_CHUNK."""
+    half = tokens // 2
+    return sum(-(-part // DECODE_CHUNK) for part in (half, tokens - half) if part)
+
+
+def tower_seconds(n: int, runs: tuple[float, ...], short_n: int | None, shorts: tuple[float, ...],
+                  tokens: int) -> float:
+    """Seconds of a decision of ``tokens`` past the kept prefix through the probe's layers, from
+    ``runs`` of ``n`` tokens (and ``shorts`` of ``short_n``): the line through the fastest of each
+    length (``speed_run._time_tower``); without a short end, the median run (a decision's typical time:
+    the check measures decisions so, median of 3) scaled linearly, which is exact for a run at the
+    decision's own length."""
+    if short_n is not None and shorts and n > short_n:
+        per_token = (min(runs) - min(shorts)) / (n - short_n)
+        if per_token > 0:
+            per_call = max(0.0, min(shorts) - short_n * per_token)
+            per_token = (min(runs) - per_call) / n
+            return decode_calls(tokens) * per_call + tokens * per_token
+    return statistics.median(runs) * tokens / n
+
+
 def measure(family: str, quants: list[str], *, tokens: int = DEFAULT_TOKENS, threads: int,
             gpu_layers: dict[str, int] | None = None, reprobe: bool = False, timeout: float = TIMEOUT_S,
             workdir: Path | None = None, preset: str | None = None, picture: int | None = None) -> SpeedTable | None:
@@ -288,12 +317,12 @@ def measure(family: str, quants: list[str], *, tokens: int = DEFAULT_TOKENS, thr
             out[q] = QuantSpeed(q, error=str(row["error"]))
             continue
         n, runs = int(row["probe_tokens"]), tuple(float(t) for t in row["probe_runs"])
-        # The median, as a decision's typical time (the check measures decisions so: median of 3); a
-        # prefill's time is linear in its tokens (speed_run._time_tower)
-        at = statistics.median(runs) * decoded / n
+        short_n = int(row["short_tokens"]) if row.get("short_tokens") else None
+        shorts = tuple(float(t) for t in row.get("short_runs") or ())
+        at = tower_seconds(n, runs, short_n, shorts, decoded)
         tower = at * scale
         out[q] = QuantSpeed(q, n, runs, round(at, 4), round(tower, 4), round(tower + head + picture_seconds, 4),
-                            round(decoded / tower, 2))
+                            round(decoded / tower, 2), None, short_n, shorts)
     table = SpeedTable(family, preset, tokens, threads, gpu_layers, p["layers"], spec["probe_layers"], round(head, 4),
                        out, key, datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                        round(time.monotonic() - start, 1), picture, picture_tokens, round(picture_seconds, 4))

@@ -1,4 +1,4 @@
-"""The speed probe's own process: for each quant, make its probe tower and time a prefill through it.
+"""The speed probe's own process: for each quant, make its probe tower and time prefills through it.
 
     python -m clef_gguf.models.speed_run SPEC.json
 
@@ -14,6 +14,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -25,36 +26,48 @@ WARM = 4  # tokens of the warm-up prefill: first-call allocations and kernel sel
 # 2% for BF16, Q8_0, Q4_K_M, Q4_K_S, IQ2_XS, Q2_K and Q2_0 (Clef-Flash's shape, 3 runs each, twice),
 # while decoding 36 cost each quant's warm-up 0.2-0.3 s more (Q2_0: 4.6 s), ~11 s of the whole probe.
 PREFIX = 4
-SHORT = 16  # tokens of the prefill that says how long the others will take
+SHORT = 16  # tokens of the short end of the line (``Timed``), timed twice; it also sizes the rest
+SLOW_S = 2.0  # a SHORT prefill slower than this is the measurement: Q2_0 here (2.5 s; 64 tokens: 10 s)
 CHEAP_S = 1.0  # a decision-length prefill predicted under this is timed at that length
-PROBE_TOKENS = 128  # else the timed prefills are this long, and scaled to the decision's length
-SLOW_S = 2.0  # ... or, for a type whose PROBE_TOKENS prefill would take longer (Q4_1 and Q5_1 have
-SLOW_TOKENS = 64  # no fast kernel here), this long; and a SHORT prefill that took longer is the run
-# Timed prefills per quant, of PROBE_TOKENS; speed.py takes their median. One alone saved ~25 s of the
-# ~80 s probe but let a single slow run through: a 9B IQ4_XS prediction at 2.04x its measured decision
-# (the median of two: 1.10-1.13x). Three at a cheap decision's own length: its single runs moved by a
-# third on the ~110M model.
+PROBE_TOKENS = 64  # else the long end of the line
+# Timed prefills per length; the line goes through the fastest of each (a slower one is the machine
+# busy elsewhere). One alone saved ~25 s of the probe but let a slow run through: a 9B IQ4_XS prediction
+# at 2.04x its measured decision. Three at a cheap decision's own length, their median: its single runs
+# moved by a third on the ~110M model.
 RUNS = 2
 CHEAP_RUNS = 3
 
 
-def _time_tower(path: Path, tokens: int, threads: int, gpu_layers: int, prefix: int) -> tuple[int, list[float]]:
-    """(prompt tokens past the system prefix of the timed prefills, seconds of each) through the probe.
+@dataclass(frozen=True)
+class Timed:
+    """One quant's timed prefills through the probe: ``runs`` of ``tokens`` tokens past the kept prefix,
+    and (when a decision is predicted from a line) ``short_runs`` of ``short_tokens`` each."""
+
+    tokens: int
+    runs: list[float]
+    short_tokens: int | None = None
+    short_runs: list[float] = field(default_factory=list)
+
+
+def _time_tower(path: Path, tokens: int, threads: int, gpu_layers: int, prefix: int) -> Timed:
+    """The prefills through the probe that predict a decision of ``tokens`` prompt tokens past the
+    system prefix (``speed.tower_seconds`` makes the prediction).
 
     Each timed prefill is a decision's tower stage as the runtime runs it (``Tower.forward``,
     ``tower/schedule.py``): the system prefix (at most ``PREFIX`` of the runtime's ``prefix`` tokens)
     is decoded once and kept, and every decision after restores it and decodes the rest. A decision
     timed at its own length decodes its state and its rest apart, as the runtime does (half each
-    here); on the ~110M model that restore and the second decode were a fifth of a decision. A
-    shorter prefill, scaled, is decoded whole: the linear-attention layers work in chunks of 64
-    tokens, so two decodes of 32 cost what one of 128 does, and scaling them would multiply that.
+    here); on the ~110M model that restore and the second decode were a fifth of a decision.
 
-    From ``PROBE_TOKENS`` on, a prefill's time grows about linearly with its tokens, so all but a
-    cheap one are timed that long and scaled: a full-length prefill of each of Clef-Flash's quants
-    took the probe 81 s of its 132 (Q5_1: 12 s for 464 tokens through four layers; Q2_0: ~90 s).
-    Shorter ones would over-state it: on an AVX-512 machine a K- or IQ-quant's 64-token prefill took
-    18-28% longer per token than a 128-token one, and 256 or 464 tokens 3-12% less (Q4_0, Q5_0,
-    Q5_1 and BF16 were flat from 64). The probe's accuracy is measured in BENCHMARKS.md."""
+    Otherwise a prefill's time is a line in its tokens: a part per ``llama_decode`` call and a part per
+    token. Through Clef-Flash's four layers on an AVX-512 machine, a K- or IQ-quant's call costs
+    0.09-0.17 s whatever its length (its 8- and 16-token prefills take the same time), a type without
+    fast kernels (BF16, Q8_0, Q4_0, Q5_0, Q5_1, IQ4_NL) under 0.05 s. So the probe times ``SHORT`` and
+    ``PROBE_TOKENS`` tokens, each decoded whole, and the line through them predicts a decision of any
+    length: its calls' part plus its tokens'. A line through 16 and 128 tokens predicted a 373-token
+    decision within 4% of the one through 16 and 64 for every type but IQ2_XXS (7%); scaling a 128-token
+    prefill linearly, as the probe did before, over-stated the K- and IQ-quants by 4-13% (64 tokens: by
+    a quarter more). The probe's accuracy is measured in BENCHMARKS.md."""
     from clef_gguf.tower.llama_tower import Tower
 
     prefix = min(prefix, PREFIX)
@@ -69,14 +82,15 @@ def _time_tower(path: Path, tokens: int, threads: int, gpu_layers: int, prefix: 
         timed(min(WARM, tokens))  # also decodes the prefix and keeps it, as the runtime's first decision
         short = min(SHORT, tokens)
         first = timed(short)
-        per_token = first / short  # over-states a longer prefill's: its per-call part is in it
-        if per_token * tokens <= CHEAP_S:
+        if first > SLOW_S:  # no time for more: a type this slow has no per-call part to speak of
+            return Timed(short, [first])
+        shorts = [first, timed(short)]
+        if min(shorts) / short * tokens <= CHEAP_S:  # over-states a longer prefill: its call's part is in it
             timed(tokens)  # a longer prefill's first run touches buffers the short ones did not
-            return tokens, [timed(tokens) for _ in range(CHEAP_RUNS)]
-        if first > SLOW_S:  # Q2_0 here: ~3 s for 16 tokens through Clef-Flash's four layers
-            return short, [first]
-        n = min(tokens, PROBE_TOKENS if per_token * PROBE_TOKENS <= SLOW_S else SLOW_TOKENS)
-        return n, [timed(n) for _ in range(RUNS)]
+            return Timed(tokens, [timed(tokens) for _ in range(CHEAP_RUNS)])
+        n = min(tokens, PROBE_TOKENS)
+        runs = [timed(n) for _ in range(RUNS)]
+        return Timed(n, runs) if n == tokens else Timed(n, runs, short, shorts)
 
 
 def _time_head(config: dict, tokens: int, threads: int, rounds: int) -> float:
@@ -172,11 +186,12 @@ def main(spec_path: str) -> int:
                                              probe_tower.planned_types(skeleton, quant, spec["threads"]))
             sources = probe_tower.choose_layers(stored, spec["preset"], spec["probe_layers"])
             written = probe_tower.write_probe(probe, stored, spec["preset"], sources, workdir)
-            n, runs = _time_tower(probe, tokens, spec["threads"], spec["gpu_layers"].get(quant, 0), spec["prefix"])
+            got = _time_tower(probe, tokens, spec["threads"], spec["gpu_layers"].get(quant, 0), spec["prefix"])
             types: dict[str, int] = {}
             for t in stored.values():
                 types[t.qtype.name] = types.get(t.qtype.name, 0) + 1
-            say({"quant": quant, "probe_tokens": n, "probe_runs": runs, "sources": sources,
+            say({"quant": quant, "probe_tokens": got.tokens, "probe_runs": got.runs,
+                 "short_tokens": got.short_tokens, "short_runs": got.short_runs, "sources": sources,
                  "probe_bytes": written["bytes"],
                  "tensor_types": dict(sorted(types.items())), "took": time.perf_counter() - start})
         except Exception as exc:  # noqa: BLE001 - one quant's failure is that quant's row, not the probe's end

@@ -21,3 +21,6 @@ VISION_ENGINES: tuple[str, ...] = get_args(VisionEngine)
 # restored after, so a steady-state decision of N prompt tokens decodes N - 36 (bench's synthetic
 # prompts and pick's speed probe use it).
 SYSTEM_PREFIX_TOKENS = 36
+# Tokens per llama_decode call of one sequence (the tower's n_batch = n_ubatch): a longer segment of a
+# prompt is decoded in chunks of this many. pick's speed probe counts a decision's calls with it.
+DECODE_CHUNK = 512

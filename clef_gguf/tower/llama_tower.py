@@ -19,7 +19,7 @@ from typing import cast
 import numpy as np
 
 from clef_gguf.core.cpus import available_cpus, check_threads
-from clef_gguf.core.limits import CONTEXT_WINDOW
+from clef_gguf.core.limits import CONTEXT_WINDOW, DECODE_CHUNK
 from clef_gguf.core.errors import ClefError, InferenceError, InvalidSetting, ModelNotFound
 from clef_gguf.tower.llama import ATTENTION, _Adapter, _Context, _Model, _Positioned, extra_buffer_types, gpu_offload
 from clef_gguf.tower.packing import PACKING, FreeMemory, PackRule, chunks, host_free_memory
@@ -132,7 +132,7 @@ class Tower:
 
     @classmethod
     def load(cls, path: str | Path, *, n_ctx: int = CONTEXT_WINDOW, threads: int | None = None,
-             n_batch: int = 512, gpu_layers: int | str = 0, attention: str | None = None,
+             n_batch: int = DECODE_CHUNK, gpu_layers: int | str = 0, attention: str | None = None,
              free_memory: FreeMemory = host_free_memory) -> Tower:
         """``attention``: a name of ``llama.ATTENTION`` for both contexts; None: the one
         ``llama.ATTENTION_BY_WEIGHTS`` gives the weights (exact on f32 towers on the CPU).

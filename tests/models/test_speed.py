@@ -4,6 +4,7 @@ preset's shapes, so it takes seconds) through pick's command line, its cache and
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 
@@ -142,6 +143,29 @@ def test_a_family_without_confirmed_shapes_has_no_probe(monkeypatch, capsys):
     assert err.value.field == "family"
 
 
+# ------------------------------------------------------------------------------------------ the prediction
+
+def test_a_decision_decodes_its_state_and_its_rest_in_chunks_of_the_tower_batch():
+    assert speed.DECODE_CHUNK == 512
+    assert [speed.decode_calls(n) for n in (1, 2, 373, 1024, 1025, 2000)] == [1, 2, 2, 2, 3, 4]
+
+
+def test_the_line_through_the_fastest_runs_of_two_lengths_predicts_calls_and_tokens():
+    # 0.12 s per call and 0.004 s per token: 16 tokens 0.184 s, 64 tokens 0.376 s
+    line = speed.tower_seconds(64, (0.376, 0.75), 16, (0.19, 0.184), 373)  # a slow run of each is not used
+    assert line == pytest.approx(2 * 0.12 + 373 * 0.004)
+    assert speed.tower_seconds(64, (0.376,), 16, (0.184,), 2000) == pytest.approx(4 * 0.12 + 2000 * 0.004)
+    # no part per call (a type without fast kernels): the line through zero
+    assert speed.tower_seconds(64, (0.64,), 16, (0.15,), 373) == pytest.approx(373 * 0.01)
+
+
+def test_without_a_line_the_median_run_is_scaled():
+    assert speed.tower_seconds(92, (0.3, 0.2, 0.25), None, (), 92) == pytest.approx(0.25)  # its own length
+    assert speed.tower_seconds(16, (2.5,), None, (), 373) == pytest.approx(2.5 * 373 / 16)  # Q2_0's sizing run
+    # a short end no faster than the long one (a busy machine) says nothing about a line
+    assert speed.tower_seconds(64, (0.3, 0.4), 16, (0.31,), 373) == pytest.approx(0.35 * 373 / 64)
+
+
 # ---------------------------------------------------------------------------------------------- the real probe
 
 @pytest.fixture
@@ -178,6 +202,19 @@ def test_the_real_probe_times_each_quant_and_keeps_the_result(small_family, caps
     # Another token count or thread count is another measurement.
     assert speed.machine_key("small", 128, 1, {}) != speed.machine_key("small", 129, 1, {})
     assert speed.machine_key("small", 128, 1, {}) != speed.machine_key("small", 128, 2, {})
+
+
+def test_a_long_decision_is_predicted_from_the_line_through_two_lengths(small_family):
+    """3,000 tokens through the ~110M tower is not cheap: the probe times 16 and 64 tokens, and the
+    prediction is the line through the fastest of each."""
+    table = speed.measure("clef-flash", ["Q4_K_M"], tokens=3000, threads=1)
+    row = table.quants["Q4_K_M"]
+    assert row.error is None and (row.probe_tokens, row.short_tokens) == (64, 16)
+    assert len(row.probe_runs) == 2 and len(row.short_runs) == 2
+    assert row.probe_seconds == pytest.approx(speed.tower_seconds(64, row.probe_runs, 16, row.short_runs, 3000 - 36),
+                                              abs=1e-3)
+    assert row.seconds == pytest.approx(row.tower_seconds + table.head_seconds, abs=1e-3)
+    assert speed.cached(table.key).quants["Q4_K_M"] == dataclasses.replace(row)  # kept with both ends
 
 
 def test_a_picture_adds_its_tokens_and_the_vision_towers_time(small_family, capsys):
