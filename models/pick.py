@@ -35,8 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "Before recommending, pick measures how long one decision takes here with each quant that fits: "
         "one interval of the family's decoder layers (3 linear-attention + 1 full-attention, at the real "
         "shapes, in each quant's tensor types) is prefilled through this llama.cpp build with the "
-        "runtime's threads (128-token prefills, scaled), scaled to the whole tower, plus the joint head "
-        "(and the vision tower, with --picture). 77-94 s for all of Clef-Flash's quants on 2 cores; kept per "
+        "runtime's threads (16- and 64-token prefills: a part per call and a part per token), scaled to "
+        "the whole tower, plus the joint head (and the vision tower, with --picture). ~66 s for all of "
+        "Clef-Flash's quants on 2 cores; kept per "
         "machine, llama.cpp build, threads, --tokens and --picture, so the next pick is instant.")
     speed_flags.add_argument("--tokens", type=positive_int, default=speed.DEFAULT_TOKENS, metavar="N",
                              help=f"prompt tokens of the decision to time (default {speed.DEFAULT_TOKENS}, "
