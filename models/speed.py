@@ -322,7 +322,7 @@ def measure(family: str, quants: list[str], *, tokens: int = DEFAULT_TOKENS, thr
         at = tower_seconds(n, runs, short_n, shorts, decoded)
         tower = at * scale
         out[q] = QuantSpeed(q, n, runs, round(at, 4), round(tower, 4), round(tower + head + picture_seconds, 4),
-                            round(decoded / tower, 2), None, short_n, shorts)
+                            round(decoded / tower, 2), short_tokens=short_n, short_runs=shorts)
     table = SpeedTable(family, preset, tokens, threads, gpu_layers, p["layers"], spec["probe_layers"], round(head, 4),
                        out, key, datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                        round(time.monotonic() - start, 1), picture, picture_tokens, round(picture_seconds, 4))
