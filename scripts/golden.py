@@ -96,7 +96,7 @@ RAW_TOLERANCE = {"f32": 1e-6, "q8_0": 1e-4}
 WIRE_STEP = 1e-4  # wire answers carry 4 decimals
 
 
-def differences(want: dict, got: dict, path: str = "") -> tuple[list[str], dict[str, float]]:
+def differences(want: dict, got: dict) -> tuple[list[str], dict[str, float]]:
     """What tells ``got`` apart from ``want`` beyond float order (messages), and the largest raw
     probability difference per model label."""
     problems: list[str] = []
@@ -135,7 +135,7 @@ def differences(want: dict, got: dict, path: str = "") -> tuple[list[str], dict[
             if key not in want[label] or key not in got[label]:
                 problems.append(f"/{label}/{key}: only in one file")
             else:
-                walk(want[label][key], got[label][key], f"{path}/{label}/{key}", raw)
+                walk(want[label][key], got[label][key], f"/{label}/{key}", raw)
     return problems, largest
 
 
