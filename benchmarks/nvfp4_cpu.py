@@ -19,7 +19,7 @@ import numpy as np
 from clef_gguf import Clef
 from clef_gguf.convert.nvfp4 import quantize_release
 from clef_gguf.convert.release import convert_release
-from clef_gguf.convert.tiny import build_release
+from clef_gguf.convert.synthetic.tiny import build_release
 from clef_gguf.convert.samples import SAMPLE_REQUESTS
 
 

@@ -21,9 +21,9 @@ from clef_gguf.core.argtypes import positive_int
 from clef_gguf.core import errors
 from clef_gguf.formats import files
 from clef_gguf.convert import keep_layers, lora, quantize
-from clef_gguf.convert.finetune_demo import build_finetune_checkpoint
+from clef_gguf.convert.synthetic.finetune_demo import build_finetune_checkpoint
 from clef_gguf.convert.release import convert_release, tower_name
-from clef_gguf.convert.tiny import PRESETS, build_release
+from clef_gguf.convert.synthetic.tiny import PRESETS, build_release
 from clef_gguf.formats.finetune_files import adapter_file_name, read_adapter_manifest
 
 RANDOM_WARNING = "RANDOM WEIGHTS - for testing the pipeline only; the answers mean nothing."

@@ -29,9 +29,9 @@ from clef_gguf.formats import files
 from clef_gguf.convert import gguf_vocab
 from clef_gguf.convert import tensor_map as tm
 from clef_gguf.core.errors import ConversionError, ModelNotFound
+from clef_gguf.formats.gguf import TOWER_ARCH
 from clef_gguf.formats.safetensors import Tensors, opened
 
-ARCH = "qwen35"
 # architecture -> where its text hyper-parameters live and the checkpoint prefix of text tensors
 SUPPORTED = {
     "Qwen3_5ForConditionalGeneration": ("text_config", "model.language_model."),
@@ -126,9 +126,9 @@ def text_dims(text: dict, tied: bool) -> tm.Dims:
     return d
 
 
-def _add_metadata(w: gguf.GGUFWriter, text: dict, d: tm.Dims, outtype: str, name: str) -> None:
+def add_metadata(w: gguf.GGUFWriter, text: dict, d: tm.Dims, outtype: str, name: str) -> None:
     theta, n_rot, sections = rope_settings(text)
-    k = lambda key: f"{ARCH}.{key}"  # noqa: E731
+    k = lambda key: f"{TOWER_ARCH}.{key}"  # noqa: E731
     w.add_string("general.type", "model")
     w.add_string("general.name", name)
     w.add_uint32("general.file_type", int(tm.OUTTYPES[outtype][1]))
@@ -291,8 +291,8 @@ def write_tower(src: Path, path: Path, *, outtype: str = "f32", name: str = "cle
     tcfg = read_json(tcfg_path) if tcfg_path.is_file() else {}
     vocab = gguf_vocab.read_vocab(tokenizer_json, d.vocab, tcfg, text)
 
-    writer = gguf.GGUFWriter(path=None, arch=ARCH)
-    _add_metadata(writer, text, d, outtype, name)
+    writer = gguf.GGUFWriter(path=None, arch=TOWER_ARCH)
+    add_metadata(writer, text, d, outtype, name)
     gguf_vocab.add_to_writer(writer, vocab)
     for item in plan:
         shape, dtype, nbytes = item.layout

@@ -18,6 +18,7 @@ Formats (vendored ``common/imatrix-loader.cpp`` and ``tools/imatrix/imatrix.cpp`
 from __future__ import annotations
 
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -115,22 +116,36 @@ def read(path) -> ImportanceMatrix:
 
 def write(path, m: ImportanceMatrix, *, chunk_size: int = 512) -> Path:
     """Write ``m`` in llama-imatrix's GGUF format (counts 1, so ``read`` returns the same values)."""
+    return write_sums(path, m.entries, None, datasets=m.datasets or [m.source or "clef-gguf"],
+                      chunks=max(m.chunks, 1), chunk_size=chunk_size)
+
+
+def write_sums(path: str | Path, sums: Mapping[str, np.ndarray], counts: Mapping[str, int] | None, *,
+               datasets: list[str], chunks: int, chunk_size: int) -> Path:
+    """llama-imatrix's GGUF (``IMatrixCollector::save_imatrix``): ``general.type``, ``imatrix.datasets``,
+    ``imatrix.chunk_count`` and ``imatrix.chunk_size``, no architecture; per weight, in name order, F32
+    ``W.in_sum2`` [ne0, 1] and ``W.counts`` [1, 1] (``counts`` None: 1 each, the sums being means
+    already). Whole or not at all (``hf_to_gguf.whole_gguf``): a failure leaves no half file."""
     import gguf
 
+    from clef_gguf.convert.hf_to_gguf import whole_gguf
+
     path = Path(path)
-    w = gguf.GGUFWriter(path, arch="imatrix")
-    w.add_string("general.type", "imatrix")
-    w.add_array("imatrix.datasets", m.datasets or [m.source or "clef-gguf"])
-    w.add_uint32("imatrix.chunk_count", max(m.chunks, 1))
+    w = gguf.GGUFWriter(path=None, arch="imatrix")
+    w.kv_data[0].pop(gguf.Keys.General.ARCHITECTURE)  # the writer always adds one; llama-imatrix's none
+    w.add_string(gguf.Keys.General.TYPE, "imatrix")
+    w.add_array("imatrix.datasets", datasets)
+    w.add_uint32("imatrix.chunk_count", chunks)
     w.add_uint32("imatrix.chunk_size", chunk_size)
-    for name, values in sorted(m.entries.items()):
-        v = np.asarray(values, dtype=np.float32).reshape(1, -1)
-        w.add_tensor(f"{name}.in_sum2", v)
-        w.add_tensor(f"{name}.counts", np.ones((1, 1), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    payloads = []
+    for name in sorted(sums):
+        for suffix, value in ((".in_sum2", np.asarray(sums[name], dtype=np.float32).reshape(1, -1)),
+                              (".counts", np.full((1, 1), 1 if counts is None else counts[name], dtype=np.float32))):
+            w.add_tensor_info(name + suffix, value.shape, value.dtype, value.nbytes)
+            payloads.append(value)
+    with whole_gguf(w, path):
+        for value in payloads:
+            w.write_tensor_data(value)
     return path
 
 

@@ -32,12 +32,12 @@ from safetensors.torch import save_file
 
 from clef_gguf.formats import files
 from clef_gguf.convert import tensor_map as tm
-from clef_gguf.convert.hf_to_gguf import ARCH, SUPPORTED, read_json, stream_gguf
+from clef_gguf.convert.hf_to_gguf import SUPPORTED, read_json, stream_gguf
 from clef_gguf.core import errors
 from clef_gguf.core.errors import AdapterMismatch, ConversionError, CorruptModel, ModelNotFound
 from clef_gguf.formats.finetune_files import ADAPTER_FORMAT, ADAPTER_MANIFEST, adapter_file_name
 from clef_gguf.heads.load import load_head
-from clef_gguf.formats.gguf import open_gguf
+from clef_gguf.formats.gguf import TOWER_ARCH, open_gguf
 from clef_gguf.formats.safetensors import opened, read_header
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -168,11 +168,11 @@ def read_base(base: Path) -> Base:
         return f.contents() if f is not None else None
 
     arch = meta("general.architecture")
-    if arch != ARCH:
+    if arch != TOWER_ARCH:
         raise AdapterMismatch(f"the base tower {found.tower.name} has architecture {arch!r}, "
-                              f"adapters convert for {ARCH!r} only", field="base")
+                              f"adapters convert for {TOWER_ARCH!r} only", field="base")
     shapes = {t.name: tuple(int(n) for n in t.shape) for t in reader.tensors}
-    k = lambda key: meta(f"{ARCH}.{key}")  # noqa: E731
+    k = lambda key: meta(f"{TOWER_ARCH}.{key}")  # noqa: E731
     # A key missing (None: TypeError), or not the type it should be.
     with errors.mapped(dict.fromkeys((KeyError, TypeError, ValueError), CorruptModel), field="base",
                        what=f"{found.tower} lacks the qwen35 settings an adapter needs"):
@@ -187,7 +187,7 @@ def read_base(base: Path) -> Base:
                                     for r in k("attention.recurrent_layers")])
         n_layer = int(k("block_count"))
     identity = {"name": found.name, "tower": found.tower.name,
-                "tower_sha256": found.sha256_of(found.tower), "architecture": ARCH,
+                "tower_sha256": found.sha256_of(found.tower), "architecture": TOWER_ARCH,
                 "n_embd": dims.hidden, "n_layer": n_layer, "n_vocab": dims.vocab}
     return Base(found, shapes, dims, identity)
 
@@ -308,7 +308,7 @@ def _payloads(path: Path, targets: list[Target], dims: tm.Dims, fold: bool,
 
 def write_adapter_gguf(path: Path, weights: Path, targets: list[Target], base: Base, alpha: float,
                        *, name: str, outtype: str, skip: frozenset[str] = frozenset()) -> None:
-    writer = gguf.GGUFWriter(path=None, arch=ARCH)
+    writer = gguf.GGUFWriter(path=None, arch=TOWER_ARCH)
     writer.add_type(gguf.GGUFType.ADAPTER)
     writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
     writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(alpha))

@@ -1,7 +1,7 @@
 """A speed probe's tower: a few decoder layers at a family's exact shapes, in the types a quant gives them.
 
 ``clef-gguf pick`` predicts how long a decision takes with each quant before anything is downloaded
-(``models/speed.py``). A quant's time is its tensors' matmuls at their types and shapes, not their
+(``clef_gguf/pick/speed.py``). A quant's time is its tensors' matmuls at their types and shapes, not their
 values, so the probe runs a small file whose layers cost what the real file's layers cost:
 
 1. ``write_skeleton``: the family's whole tensor list (every layer, real names, real row widths and
@@ -30,10 +30,11 @@ import gguf
 import numpy as np
 import torch
 
-from clef_gguf.convert import gguf_vocab, quantize, tiny
+from clef_gguf.convert import gguf_vocab, quantize
+from clef_gguf.convert.synthetic import tiny
 from clef_gguf.convert import tensor_map as tm
-from clef_gguf.convert.big import plan, preset_config
-from clef_gguf.convert.hf_to_gguf import _add_metadata, stream_gguf, whole_gguf
+from clef_gguf.convert.synthetic.big import plan, preset_config
+from clef_gguf.convert.hf_to_gguf import add_metadata, stream_gguf, whole_gguf
 from clef_gguf.core.errors import ConversionError
 from clef_gguf.formats.gguf import ensure_gguf_types
 
@@ -68,9 +69,9 @@ def _cut(gguf_name: str, shape: list[int]) -> bool:
 
 def _metadata_writer(p: dict, tok, tokenizer_json: Path, name: str) -> tuple[gguf.GGUFWriter, tm.Dims, list]:
     text, d, items = plan(p, "bf16", tok)
-    vocab = gguf_vocab.read_vocab(tokenizer_json, d.vocab, tiny._tokenizer_config(tok), text)
+    vocab = gguf_vocab.read_vocab(tokenizer_json, d.vocab, tiny.tokenizer_config(tok), text)
     writer = gguf.GGUFWriter(path=None, arch="qwen35")
-    _add_metadata(writer, text, d, "bf16", name)
+    add_metadata(writer, text, d, "bf16", name)
     gguf_vocab.add_to_writer(writer, vocab)
     return writer, d, [item for item in items if item.gguf_name is not None]
 
@@ -91,7 +92,7 @@ def write_skeleton(path: Path, preset: str, workdir: Path) -> dict:
             kind, scale = item.rule
             values = torch.randn(shape, generator=gen) * scale
         else:  # norms, convolutions, decay rates: as the converter writes them (finite recurrences)
-            values = tm.apply_edits(tiny._init(item.shape, item.rule, gen).to(torch.float32), item.edits, d)
+            values = tm.apply_edits(tiny.init_tensor(item.shape, item.rule, gen).to(torch.float32), item.edits, d)
         qtype = tm.storage_type(item.gguf_name, shape, "bf16")
         data = (values.to(torch.bfloat16).contiguous().view(torch.int16).numpy()
                 if qtype == gguf.GGMLQuantizationType.BF16 else tm.encode(values.numpy(), qtype))

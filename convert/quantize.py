@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from clef_gguf.convert import keep_layers as keep_layers_mod
+from clef_gguf.core.children import module_command
 from clef_gguf.core.cpus import available_cpus
 from clef_gguf.core.errors import ConversionError
 
@@ -182,13 +183,11 @@ def quantize_file(src, dst, outtype: str, *, imatrix=None, output_type: str | No
                 "keep_layers": {str(k): v for k, v in keep.layers.items()} if keep else None}
         spec_path = workdir / "spec.json"
         spec_path.write_text(json.dumps(spec))
-        # The child imports us by name: give it the parent's import path (pytest rootdir, -e installs).
         # GGML_NO_BACKTRACE: on an assert ggml forks gdb (or backtrace_symbols) from every failing
         # thread; in a multi-threaded quantizer that fork can deadlock, and the child never exits.
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
-                   GGML_NO_BACKTRACE="1")
+        env = dict(os.environ, GGML_NO_BACKTRACE="1")
         try:
-            proc = subprocess.run([sys.executable, "-m", "clef_gguf.convert.quantize", str(spec_path)],
+            proc = subprocess.run(module_command("clef_gguf.convert.quantize", str(spec_path)),
                                   capture_output=True, text=True, errors="replace", env=env,
                                   timeout=timeout)
         except subprocess.TimeoutExpired:

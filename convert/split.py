@@ -88,9 +88,8 @@ from clef_gguf.convert.gguf_tokenizer import tokenizer_from_gguf
 from clef_gguf.convert.hf_to_gguf import stream_gguf
 from clef_gguf.convert.split_calibration import upstream_temperatures, write_calibration
 from clef_gguf.core.errors import ClefError, ConversionError, CorruptModel, ModelNotFound
-from clef_gguf.formats.gguf import field_value, file_type_name, open_gguf
+from clef_gguf.formats.gguf import NATIVE_ARCH, TOWER_ARCH, field_value, file_type_name, open_gguf
 
-SRC_ARCH, DST_ARCH = "clef", "qwen35"
 DECISION_TYPE = "clef"
 HEAD_NORM_EPS = 1e-5  # heads.JointSchemaHead uses torch's LayerNorm default
 # Key suffixes (after "clef.") that belong to the head: the whole decision namespace and the eps.
@@ -191,18 +190,18 @@ def _open(src: Path) -> gguf.GGUFReader:
     except CorruptModel as exc:  # the same reader as the runtime's; here it is a conversion input
         raise ConversionError(exc.message) from None
     arch = field_value(reader, "general.architecture")
-    if arch != SRC_ARCH:
-        hint = " (already a tower: load it directly)" if arch == DST_ARCH else ""
-        raise ConversionError(f"{src.name} has architecture {arch!r}, not {SRC_ARCH!r}: "
+    if arch != NATIVE_ARCH:
+        hint = " (already a tower: load it directly)" if arch == TOWER_ARCH else ""
+        raise ConversionError(f"{src.name} has architecture {arch!r}, not {NATIVE_ARCH!r}: "
                               f"only native-clef GGUFs can be split{hint}")
     if reader.endianess != gguf.GGUFEndian.LITTLE:
         raise ConversionError(f"{src.name} is a big-endian GGUF; only little-endian files are split")
     if int(field_value(reader, "split.count") or 1) > 1:
         raise ConversionError(f"{src.name} is one shard of a split GGUF; merge the shards first "
                               "(llama-gguf-split --merge)")
-    dtype = field_value(reader, f"{SRC_ARCH}.decision.type")
+    dtype = field_value(reader, f"{NATIVE_ARCH}.decision.type")
     if dtype is not None and dtype != DECISION_TYPE:
-        raise ConversionError(f"{src.name} has {SRC_ARCH}.decision.type {dtype!r}, not {DECISION_TYPE!r}")
+        raise ConversionError(f"{src.name} has {NATIVE_ARCH}.decision.type {dtype!r}, not {DECISION_TYPE!r}")
     return reader
 
 
@@ -220,9 +219,9 @@ def _config(reader: gguf.GGUFReader, tensors: dict) -> dict[str, int]:
     config["hidden_size"] = _ne(tensors["decision.hidden_norm.weight"])[-1]
     config["width"] = _ne(tensors["decision.proj_memory.weight"])[0]
     for key, gkey in CONFIG_FROM_KEYS.items():
-        value = field_value(reader, f"{SRC_ARCH}.{gkey}")
+        value = field_value(reader, f"{NATIVE_ARCH}.{gkey}")
         if not isinstance(value, int) or isinstance(value, bool):
-            raise ConversionError(f"key {SRC_ARCH}.{gkey} is missing or not an integer")
+            raise ConversionError(f"key {NATIVE_ARCH}.{gkey} is missing or not an integer")
         config[key] = value
     config["feedforward"] = _ne(tensors["dec.blk.0.ffn_up.weight"])[0]
     order = ("hidden_size", "width", "routing_layers", "layers", "heads", "feedforward")
@@ -232,11 +231,11 @@ def _config(reader: gguf.GGUFReader, tensors: dict) -> dict[str, int]:
         check_config(config, source="the decision keys and shapes")
     except ClefError as exc:
         raise ConversionError(exc.message) from None
-    n_embd = field_value(reader, f"{SRC_ARCH}.embedding_length")
+    n_embd = field_value(reader, f"{NATIVE_ARCH}.embedding_length")
     if n_embd is not None and n_embd != config["hidden_size"]:
         raise ConversionError(f"decision.hidden_norm has {config['hidden_size']} values but "
-                              f"{SRC_ARCH}.embedding_length is {n_embd}")
-    eps = field_value(reader, f"{SRC_ARCH}.attention.layer_norm_epsilon")
+                              f"{NATIVE_ARCH}.embedding_length is {n_embd}")
+    eps = field_value(reader, f"{NATIVE_ARCH}.attention.layer_norm_epsilon")
     if eps is not None and not math.isclose(eps, HEAD_NORM_EPS, rel_tol=1e-4):
         raise ConversionError(f"the head's LayerNorm eps is {eps}; the reference head uses {HEAD_NORM_EPS}")
     return config
@@ -326,15 +325,15 @@ def _field_value(field):
 
 def tower_key(key: str) -> str | None:
     """The tower's name for a native key, or None for a head key that the tower must not carry."""
-    if not key.startswith(SRC_ARCH + "."):
+    if not key.startswith(NATIVE_ARCH + "."):
         return key
-    rest = key[len(SRC_ARCH) + 1:]
-    return None if rest.startswith(HEAD_KEY_PREFIXES) else f"{DST_ARCH}.{rest}"
+    rest = key[len(NATIVE_ARCH) + 1:]
+    return None if rest.startswith(HEAD_KEY_PREFIXES) else f"{TOWER_ARCH}.{rest}"
 
 
 def write_tower(reader: gguf.GGUFReader, path: Path, head_tensors: set[str]) -> tuple[int, list[str]]:
     """Copy keys (renamed) and every non-head tensor's bytes; returns (tensors, dropped keys)."""
-    writer = gguf.GGUFWriter(path=None, arch=DST_ARCH)
+    writer = gguf.GGUFWriter(path=None, arch=TOWER_ARCH)
     dropped = []
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":
@@ -386,7 +385,7 @@ def split_with_summary(src, out, *, tokenizer=None, name: str | None = None,
         raise ConversionError(f"{out} exists and is not a directory")
     reader = _open(src)
     config, state, used = extract_head(reader)  # every check runs before anything is written
-    temperatures = upstream_temperatures(reader, SRC_ARCH)
+    temperatures = upstream_temperatures(reader, NATIVE_ARCH)
     rebuilt = tokenizer_from_gguf(reader) if tokenizer is None else None
     label = file_type_name(reader)
     tower = f"tower-{label}.gguf"
@@ -402,7 +401,7 @@ def split_with_summary(src, out, *, tokenizer=None, name: str | None = None,
         else:
             shutil.copyfile(tokenizer, stage / files.TOKENIZER)
         scalars = {k: float(state[k]) for k, _, _ in SCALAR_TABLE}
-        source = {"path": str(src.resolve()), "format": "native-clef-gguf", "architecture": SRC_ARCH,
+        source = {"path": str(src.resolve()), "format": "native-clef-gguf", "architecture": NATIVE_ARCH,
                   "tower_tensors": n_tensors, "head_tensors": len(used), "dropped_keys": dropped,
                   "head_scalars": scalars, "head_dtype": head_dtype,
                   "tokenizer": "gguf" if rebuilt is not None else str(tokenizer.resolve())}

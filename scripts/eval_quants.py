@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     from clef_gguf.cli import main as clef_gguf
     from clef_gguf.convert.quantize import PUBLISHED
     from clef_gguf.convert.release import convert_release
-    from clef_gguf.convert.tiny import build_release
+    from clef_gguf.convert.synthetic.tiny import build_release
     from clef_gguf.evaluate import demo
     from clef_gguf.tools.quant_table import make_model
 

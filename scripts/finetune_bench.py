@@ -6,7 +6,7 @@ merged-then-quantized release. Prints one JSON report.
                                      [--threads 2] [--speed-types f32,Q4_K_M] [--types Q8_0,Q4_K_M]
 
 Builds in WORKDIR (rerunning reuses what is there): the ``small`` demo release, its f32 conversion,
-two random fine-tunes (``clef_gguf.convert.finetune_demo``, clef-finetune's defaults: rank 64,
+two random fine-tunes (``clef_gguf.convert.synthetic.finetune_demo``, clef-finetune's defaults: rank 64,
 alpha 128) converted with ``clef-gguf convert adapter`` (f16, its default), fine-tune ``a`` merged
 by clef-finetune's own ``merge`` (float32, so the merge adds no rounding of its own), and each type
 of the base and of the merge.
@@ -53,10 +53,10 @@ def prepare(work: Path, preset: str, rank: int, threads: int, types: list[str]) 
     """Every file the measurements need, as paths: release, base and merged models by type, fine-tunes."""
     from clef_finetune.export import merge
 
-    from clef_gguf.convert.finetune_demo import build_finetune_checkpoint
+    from clef_gguf.convert.synthetic.finetune_demo import build_finetune_checkpoint
     from clef_gguf.convert.lora import convert_adapter
     from clef_gguf.convert.release import convert_release
-    from clef_gguf.convert.tiny import build_release
+    from clef_gguf.convert.synthetic.tiny import build_release
     from clef_gguf.tools.quant_table import make_model
 
     release = built(work / "release", lambda p: build_release(p, preset=preset, seed=SEED))

@@ -25,6 +25,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from clef_gguf.core.children import module_command
+
 REQUESTS = [
     {"state": "Invoice INV-2291 for $1,250.00 was due on 2026-10-01 and is still unpaid.",
      "questions": {"overdue": {"type": "noul", "instructions": "Is the invoice overdue?"},
@@ -59,8 +61,7 @@ def _picture() -> str:
 
 
 def _demo(out: Path, *flags: str) -> Path:
-    subprocess.run([sys.executable, "-m", "clef_gguf.cli", "demo", str(out), *flags], check=True,
-                   capture_output=True)
+    subprocess.run(module_command("clef_gguf.cli", "demo", str(out), *flags), check=True, capture_output=True)
     return out
 
 

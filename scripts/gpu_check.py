@@ -20,7 +20,7 @@ import numpy as np
 
 from clef_gguf import Clef
 from clef_gguf.convert.release import convert_release
-from clef_gguf.convert.tiny import build_release
+from clef_gguf.convert.synthetic.tiny import build_release
 from clef_gguf.models import machine
 
 REQUESTS = [
@@ -38,10 +38,10 @@ def speed_on_gpu(work: Path) -> dict:
     sys.path.insert(0, str(Path(__file__).parent))
     from speed_check import decision_seconds
 
-    from clef_gguf.convert.big import build_random_model
+    from clef_gguf.convert.synthetic.big import build_random_model
     from clef_gguf.core.cpus import available_cpus
     from clef_gguf.core.limits import SYSTEM_PREFIX_TOKENS
-    from clef_gguf.models import speed
+    from clef_gguf.pick import speed
     from clef_gguf.tools.bench import sized_request
 
     model = work / "flash9b-Q4_K_M"

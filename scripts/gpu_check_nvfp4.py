@@ -20,7 +20,7 @@ import torch
 
 from clef_gguf import Clef
 from clef_gguf.convert.nvfp4 import quantize_release
-from clef_gguf.convert.tiny import build_release
+from clef_gguf.convert.synthetic.tiny import build_release
 from clef_gguf.tower.nvfp4 import kernels
 from clef_gguf.convert.samples import SAMPLE_REQUESTS
 

@@ -22,7 +22,7 @@ Run it (LLAMA_CPP_SRC: the llama.cpp tree vendored in the llama-cpp-python 0.3.3
         [--work DIR] [--preset tiny] [--threads 1] [--runs 5] [--mmproj-types f32,f16] \\
         [--flash-size 448 --flash-runs 1]
 
-What it does: builds the release (``clef_gguf.convert.tiny.build_release``), converts its language
+What it does: builds the release (``clef_gguf.convert.synthetic.tiny.build_release``), converts its language
 tower with clef-gguf's converter (mtmd needs a text model for the embedding width and the
 ``<|vision_start|>``/``<|vision_end|>`` ids) and its vision tower with llama.cpp's own converter, then
 embeds each picture three ways:
@@ -67,7 +67,7 @@ import PIL.Image
 import torch
 import torch.nn.functional as F
 
-from clef_gguf.convert.big import FLASH_PROCESSORS, FLASH_VISION
+from clef_gguf.convert.synthetic.big import FLASH_PROCESSORS, FLASH_VISION
 
 # (width, height, seed): no resize, a resize up to the minimum, a round-half case past the maximum
 # (100 / 8 = 12.5), the maximum, a resize down past the maximum, an odd size, a long thin one, and two
@@ -101,7 +101,7 @@ def cpu_seconds(fn: Callable[[], Any], runs: int) -> tuple[Any, float]:
 def build_files(work: Path, preset: str, llama_src: Path,
                 mmproj_types: list[str]) -> tuple[Path, Path, dict[str, Path]]:
     from clef_gguf.convert.release import convert_release
-    from clef_gguf.convert.tiny import build_release
+    from clef_gguf.convert.synthetic.tiny import build_release
 
     release = work / "release"
     if not (release / "config.json").is_file():
@@ -326,7 +326,7 @@ def strong_release(work: Path, release: Path) -> Path:
     grid would hardly move the embeddings; here it moves them by O(1)."""
     from safetensors.torch import load_file, save_file
 
-    from clef_gguf.convert.tiny import strong_vision_tensor
+    from clef_gguf.convert.synthetic.tiny import strong_vision_tensor
 
     out = work / "strong-release"
     if (out / "model.safetensors").is_file():

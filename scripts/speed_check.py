@@ -3,7 +3,7 @@
     python scripts/speed_check.py MODEL_DIR [MODEL_DIR ...] --preset flash9b [--tokens 500] [--repeat 2]
     python scripts/speed_check.py --small-set WORKDIR [--types Q8_0,Q4_K_M]   # every type, ~110M model
 
-Each MODEL_DIR is a random model of the preset's shape in one quant (``python -m clef_gguf.convert.big
+Each MODEL_DIR is a random model of the preset's shape in one quant (``python -m clef_gguf.convert.synthetic.big
 DIR --outtype Q4_K_M``; ``--preset small`` for the ~110M shape). Per model, in this one process and
 alternating ``--repeat`` times: the measured decision (``Clef.load`` with the state cache off, bench's
 request of about ``--tokens`` tokens, the median of 3 after a warm-up) and the probe's prediction for
@@ -26,7 +26,7 @@ from pathlib import Path
 
 from clef_gguf import Clef
 from clef_gguf.core.limits import SYSTEM_PREFIX_TOKENS
-from clef_gguf.models import speed
+from clef_gguf.pick import speed
 from clef_gguf.tools.bench import sized_request
 
 
@@ -73,7 +73,7 @@ def check(model: str, preset: str, tokens: int, threads: int, repeat: int) -> di
 def small_set(work: Path, types: list[str], threads: int) -> list[str]:
     """The ~110M model in each of ``types`` under ``work`` (made once), as eval_quants.py makes them."""
     from clef_gguf.convert.release import convert_release
-    from clef_gguf.convert.tiny import build_release
+    from clef_gguf.convert.synthetic.tiny import build_release
     from clef_gguf.tools.quant_table import make_model
 
     work.mkdir(parents=True, exist_ok=True)

@@ -60,7 +60,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from clef_gguf.convert.big import FLASH_VISION
+from clef_gguf.convert.synthetic.big import FLASH_VISION
 from clef_gguf.vision import VisionConfig, VisionModel, VisionTower, engines
 
 FLASH_9B = VisionConfig(**FLASH_VISION, out_hidden_size=4096)
@@ -304,7 +304,7 @@ def strengthen(release: Path, seed: int = 17) -> None:
     "strong" release): the tiny release's own vision weights (~0.02) barely move its answers."""
     from safetensors.torch import load_file, save_file
 
-    from clef_gguf.convert.tiny import strong_vision_tensor
+    from clef_gguf.convert.synthetic.tiny import strong_vision_tensor
 
     gen = torch.Generator().manual_seed(seed)
 
@@ -318,7 +318,7 @@ def strengthen(release: Path, seed: int = 17) -> None:
 def parity(releases: list[str], threads: int) -> dict:
     from clef_gguf import Clef
     from clef_gguf.convert.release import convert_release
-    from clef_gguf.convert.tiny import build_release
+    from clef_gguf.convert.synthetic.tiny import build_release
     from clef_gguf.core.limits import VISION_ENGINES
 
     requests = parity_requests()

@@ -64,7 +64,7 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 @pytest.fixture(scope="session")
 def tiny_release(tmp_path_factory) -> Path:
-    from clef_gguf.convert.tiny import build_release
+    from clef_gguf.convert.synthetic.tiny import build_release
 
     return build_release(tmp_path_factory.mktemp("tiny-release"), preset="tiny", seed=TINY_SEED)
 
@@ -130,7 +130,7 @@ def tiny_nvfp4_dir(tiny_release, tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_fine_tunes(tiny_release, tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
     """Two random fine-tunes (LoRA + retrained head, seeds 1 and 2) converted for the f32 tiny model."""
-    from clef_gguf.convert.finetune_demo import build_finetune_checkpoint
+    from clef_gguf.convert.synthetic.finetune_demo import build_finetune_checkpoint
     from clef_gguf.convert.lora import convert_adapter
 
     root = tmp_path_factory.mktemp("fine-tunes")

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,8 +24,11 @@ LOWER = {
     "media": {"core", "formats", "vision", "pipeline"},  # pictures and videos into prompt tokens
     "tower": {"core", "formats", "pipeline"},  # hidden states: llama.cpp, nvfp4, the caches
     "convert": {"core", "formats", "heads", "vision", "pipeline", "media", "tower"},  # writing releases
-    # catalog, downloads, device fit, speed (the probe times the tower, the head and a picture)
-    "models": {"core", "formats", "convert", "tower", "heads", "vision", "media"},
+    # the catalog: names, files, pull, placement, the hub. ``convert`` only where a pulled model is made
+    # runnable on first use (a native clef GGUF split, ``models/native.py``), inside that function: the
+    # split is a whole conversion (tower writer, head, tokenizer), not a reader to move below both
+    # (MODELS_CONVERT_EDGES below holds the list).
+    "models": {"core", "formats", "convert"},
     "runtime": {"core", "formats", "heads", "vision", "pipeline", "media", "tower", "models"},
     "clef_gguf": {"core", "runtime"},
 }
@@ -34,9 +38,13 @@ LOWER |= {  # the applications, on top
     "server": _BELOW_APPS | {"bulk"},
     "evaluate": _BELOW_APPS | {"bulk"},
     "agent": _BELOW_APPS | {"bulk"},  # clef-gguf mcp (bulk: its optional-dependency check)
+    "pick": _BELOW_APPS,  # pick (the speed probe, an eval's evidence), pull, list
     "tools": _BELOW_APPS | {"bulk", "server", "evaluate"},
-    "cli": _BELOW_APPS | {"bulk", "server", "evaluate", "agent", "tools"},
+    "cli": _BELOW_APPS | {"bulk", "server", "evaluate", "agent", "pick", "tools"},
 }
+# The models -> convert edges, each made inside a function (loading a model never imports the
+# converter unless it has to convert): module -> the convert modules it may reach.
+MODELS_CONVERT_EDGES = {"clef_gguf.models.native": {"clef_gguf.convert.split"}}
 
 
 def _modules() -> dict[str, Path]:
@@ -53,12 +61,31 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
+def _docstrings(tree: ast.AST) -> set[int]:
+    """ids of the docstring constants of a module, its classes and functions."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                out.add(id(first.value))
+    return out
+
+
 def _imports(name: str, path: Path) -> set[str]:
-    """Project modules ``name`` imports anywhere in its file; ``from pkg import mod`` -> ``pkg.mod``."""
+    """Project modules ``name`` imports anywhere in its file; ``from pkg import mod`` -> ``pkg.mod``.
+    A string that is exactly a module's dotted name counts as importing it (the CLI's command table,
+    ``importlib.import_module``, a child process's ``-m``), docstrings aside."""
     out: set[str] = set()
     is_package = path.name == "__init__.py"
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Import):
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    docs = _docstrings(tree)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and "." in node.value \
+                and node.value in MODULES:  # "clef_gguf" alone is a logger's name, not an import
+            if id(node) not in docs:
+                out.add(node.value)
+        elif isinstance(node, ast.Import):
             out.update(a.name for a in node.names if a.name in MODULES)
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
@@ -114,10 +141,37 @@ def unit_graph() -> dict[str, set[str]]:
 
 
 def test_the_graph_sees_the_known_edges():
-    # The checker itself must see function-level and `from pkg import mod` imports.
+    # The checker itself must see function-level and `from pkg import mod` imports, and the CLI's
+    # command table (module names as strings, imported by importlib).
     assert "clef_gguf.models.hub" in GRAPH["clef_gguf.runtime.load"]  # a function-level import
     assert "clef_gguf.server.schema" in GRAPH["clef_gguf.server.app"]  # from clef_gguf.server import schema
     assert "clef_gguf.runtime.flags" in GRAPH["clef_gguf.tools.bench"]
+    assert {"clef_gguf.pick.command", "clef_gguf.server.app"} <= GRAPH["clef_gguf.cli"]
+
+
+def test_the_cli_command_table_is_checked_like_imports():
+    from clef_gguf.cli import COMMANDS
+
+    assert {module for module, *_ in COMMANDS.values()} - {"clef_gguf.cli"} <= GRAPH["clef_gguf.cli"]
+
+
+def test_models_reaches_the_converter_only_inside_the_functions_that_convert():
+    for name, deps in GRAPH.items():
+        if unit(name) == "models":
+            reached = {d for d in deps if unit(d) == "convert"}
+            assert reached <= MODELS_CONVERT_EDGES.get(name, set()), (name, sorted(reached))
+    for name in MODELS_CONVERT_EDGES:  # never at import time: loading a model does not load torch + gguf writers
+        tree = ast.parse(MODULES[name].read_text(encoding="utf-8"))
+        top = {n.module or "" for n in tree.body if isinstance(n, ast.ImportFrom)}
+        top |= {a.name for n in tree.body if isinstance(n, ast.Import) for a in n.names}
+        assert not {m for m in top if m.startswith("clef_gguf.convert")}, name
+
+
+def test_loading_a_model_does_not_import_the_pick_application():
+    # runtime -> models is the catalog and placement, never the speed probe
+    for name, deps in GRAPH.items():
+        if unit(name) in _BELOW_APPS:
+            assert not {d for d in deps if unit(d) == "pick"}, name
 
 
 def test_every_unit_is_in_the_table():
@@ -182,3 +236,33 @@ def test_nothing_imports_the_cli():
 
 def test_the_root_holds_only_the_api_and_the_command_line():
     assert sorted(p.name for p in (ROOT / "clef_gguf").glob("*.py")) == ["__init__.py", "cli.py"]
+
+
+def _named_in_architecture_page() -> set[str]:
+    """The modules docs/architecture.md names, as source paths without ``clef_gguf/``: a path in backticks
+    (``tower/llama.py``), a bare file name under the last package folder named before it (``- `media/`: ...
+    `sources.py```), or a dotted name (``clef_gguf.runtime.settings.LoadSettings``)."""
+    doc = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    by_dotted = {name: path.relative_to(ROOT).as_posix() for name, path in MODULES.items()}
+    named, folder = set(), None
+    for raw in re.findall(r"`([^`\s]+)`", doc):
+        token = raw.removeprefix("clef_gguf/")
+        if token.endswith("/"):
+            if (ROOT / token / "__init__.py").is_file() or (ROOT / "clef_gguf" / token / "__init__.py").is_file():
+                folder = token.rstrip("/")  # a package folder, not `static/` or `docs/`
+        elif token.endswith(".py"):
+            named.add(token if "/" in raw or folder is None else f"{folder}/{token}")
+        else:
+            parts = token.split(".")
+            for n in range(len(parts), 1, -1):
+                if (found := by_dotted.get(".".join(parts[:n]))) is not None:
+                    named.add(found.removeprefix("clef_gguf/"))
+                    break
+    return named
+
+
+def test_the_architecture_page_names_every_module():
+    named = _named_in_architecture_page()
+    missing = sorted(rel for path in MODULES.values() if path.name not in ("__init__.py", "__main__.py")
+                     and (rel := path.relative_to(ROOT).as_posix().removeprefix("clef_gguf/")) not in named)
+    assert not missing, f"docs/architecture.md does not name {missing}"

@@ -25,6 +25,7 @@ from clef_gguf.core.cpus import available_cpus
 from clef_gguf.bulk.records import Record
 from clef_gguf.media.sources import MediaPolicy
 from clef_gguf.runtime.settings import LoadSettings
+from clef_gguf.core.children import start_ray
 
 log = logging.getLogger("clef_gguf.bulk")
 QUIET_LOGGERS = ("ray", "ray.data", "ray.serve")  # their INFO lines would bury the progress
@@ -102,14 +103,14 @@ def _init(ray: Any, address: str | None, cpus_needed: int) -> None:
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
     if address:
-        ray.init(address=address, logging_level=logging.WARNING)
+        start_ray(ray, address=address, logging_level=logging.WARNING)
         return
     # "local": always a Ray of our own, never one another user of this machine started; as many
     # CPUs as the job asks for, so an oversubscribed job runs (slowly) rather than waits forever
     cpus = max(available_cpus(), cpus_needed)
     # the private Ray's token is ours alone: Ray's notice about it is noise here
     logging.getLogger("ray._private.authentication").setLevel(logging.ERROR)
-    ray.init(address="local", num_cpus=cpus, include_dashboard=False,
+    start_ray(ray, address="local", num_cpus=cpus, include_dashboard=False,
              logging_level=logging.WARNING)
 
 

@@ -164,6 +164,14 @@ class ConversionError(ClefError):
     code = "conversion_error"
 
 
+class ProbeFailed(ClefError):
+    """``pick``'s speed probe measured nothing: its process failed (the message keeps its last
+    words). The machine's or the build's problem, not a value the user gave."""
+
+    code = "probe_failed"
+    status = 500
+
+
 class InferenceError(ClefError):
     code = "inference_error"
     status = 500

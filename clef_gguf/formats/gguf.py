@@ -23,6 +23,11 @@ import numpy.typing as npt
 from clef_gguf.core import errors
 from clef_gguf.core.errors import CorruptModel, ModelNotFound
 
+# The architectures clef-gguf reads: the language tower llama.cpp runs, and the native clef GGUF whose
+# head is inside (``convert split`` turns one into the other).
+TOWER_ARCH = "qwen35"
+NATIVE_ARCH = "clef"
+
 # gguf-py raises ValueError, struct.error, IndexError, KeyError, UnicodeDecodeError, OverflowError...
 # on bad bytes, and no narrower list is known to be complete: any of them is a damaged file.
 READ_ERRORS: dict[type[BaseException], type[errors.ClefError]] = {Exception: CorruptModel}

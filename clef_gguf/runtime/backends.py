@@ -20,7 +20,6 @@ if TYPE_CHECKING:
     from clef_gguf.tower.protocol import LanguageTower
 
 BACKENDS = model_files.BACKENDS
-TOWER_ARCH = "qwen35"
 RUNNERS = {"gguf": "llama-cpp-python", "nvfp4": "torch-nvfp4"}
 
 
@@ -83,7 +82,7 @@ class Opened:
 
 
 def open_gguf_tower(found: model_files.ModelFiles) -> Opened:
-    from clef_gguf.formats.gguf import check_header, field_value, open_gguf, precision_label
+    from clef_gguf.formats.gguf import NATIVE_ARCH, TOWER_ARCH, check_header, field_value, open_gguf, precision_label
     from clef_gguf.pipeline.lexical import LexicalRows
     from clef_gguf.tower.llama_tower import Tower
 
@@ -93,7 +92,7 @@ def open_gguf_tower(found: model_files.ModelFiles) -> Opened:
     if arch != TOWER_ARCH:
         raise errors.CorruptModel(
             f"{found.tower.name} has architecture {arch!r}; clef-gguf runs {TOWER_ARCH!r} towers"
-            + (" (convert a native clef GGUF with `clef-gguf convert split`)" if arch == "clef"
+            + (" (convert a native clef GGUF with `clef-gguf convert split`)" if arch == NATIVE_ARCH
                else ""), field="tower")
     check_header(reader, found.tower)  # llama.cpp aborts on some bad hyperparameters
     lexical = LexicalRows(reader)

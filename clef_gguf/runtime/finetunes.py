@@ -20,10 +20,10 @@ import torch
 
 from clef_gguf.pipeline import answer
 from clef_gguf.core import errors
-from clef_gguf.runtime.backends import TOWER_ARCH
 from clef_gguf.formats import calibration
 from clef_gguf.formats.files import sha256_file
 from clef_gguf.formats.finetune_files import AdapterFiles
+from clef_gguf.formats.gguf import TOWER_ARCH
 from clef_gguf.runtime.settings import Adapters
 
 if TYPE_CHECKING:

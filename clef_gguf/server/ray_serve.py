@@ -26,6 +26,7 @@ from typing import Any
 from clef_gguf.bulk.deps import need
 from clef_gguf.core.cpus import available_cpus
 from clef_gguf.runtime.settings import LoadSettings, for_replicas
+from clef_gguf.core.children import start_ray
 
 log = logging.getLogger("clef_gguf.server")
 APP_NAME = "clef"
@@ -91,10 +92,10 @@ def run(args: argparse.Namespace, app_factory: Callable) -> int:
     for name in ("ray", "ray.serve"):
         logging.getLogger(name).setLevel(logging.WARNING)
     if address:
-        ray.init(address=address, logging_level=logging.WARNING)
+        start_ray(ray, address=address, logging_level=logging.WARNING)
     else:
         logging.getLogger("ray._private.authentication").setLevel(logging.ERROR)
-        ray.init(address="local", num_cpus=max(available_cpus(), args.replicas * threads),
+        start_ray(ray, address="local", num_cpus=max(available_cpus(), args.replicas * threads),
                  include_dashboard=False, logging_level=logging.WARNING)
     stop = threading.Event()
     received: list[int] = []

@@ -30,6 +30,7 @@ import httpx
 
 from clef_gguf.bulk.output import CACHE_USAGE
 from clef_gguf.core.argtypes import megabytes, positive_int
+from clef_gguf.core.children import module_command
 from clef_gguf.core.errors import ClefError
 from clef_gguf.server.http import free_port
 
@@ -102,9 +103,9 @@ def level(url: str, concurrency: int, total: int, expected: list[bytes]) -> dict
 
 def start_server(args, log_path: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "clef_gguf.server", "--model", args.model, "--port", str(port),
-           "--queue-size", str(max(64, max(args.concurrency) * 2)),
-           "--max-length", str(args.max_length)]
+    cmd = module_command("clef_gguf.server", "--model", args.model, "--port", str(port),
+                         "--queue-size", str(max(64, max(args.concurrency) * 2)),
+                         "--max-length", str(args.max_length))
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     if args.state_cache_mb is not None:

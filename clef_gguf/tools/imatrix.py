@@ -4,11 +4,12 @@
 ``labels`` may be there and are ignored): batch inputs and labelled eval sets both work. Every
 record is validated and encoded exactly as ``decide`` encodes it (``pipeline.encode``) before the
 model loads, so a bad line is refused in a second, by number. Each prompt is then decoded on its own
-through ``convert.imatrix_collect.Collector``, with ``--adapter``'s LoRA when given (checked against
+through ``tower.imatrix.Collector``, with ``--adapter``'s LoRA when given (checked against
 the base as the runtime checks it), and the file is written in llama-imatrix's GGUF format.
 
 This module is the command (an application: it reads records and fine-tune directories, which the
-``convert`` layer may not import); the collection and the file format are ``convert/imatrix_collect.py``.
+``convert`` layer may not import); the collection is ``tower/imatrix.py``, the file format
+``convert/imatrix.py``.
 """
 
 from __future__ import annotations
@@ -78,9 +79,10 @@ def read_prompts(data: str | Path, tokenizer: Path) -> list[np.ndarray]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from clef_gguf.convert.imatrix_collect import Collector, write
+    from clef_gguf.convert.imatrix import write_sums
     from clef_gguf.formats.files import from_directory
     from clef_gguf.formats.finetune_files import AdapterFiles
+    from clef_gguf.tower.imatrix import Collector
 
     start = time.perf_counter()
     output = Path(args.output)
@@ -101,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
         for ids in prompts:
             collector.add(ids)
         result = collector.result()
-    write(output, result, [str(args.data)])
+    write_sums(output, result.sums, result.counts, datasets=[str(args.data)], chunks=result.prompts,
+               chunk_size=result.chunk_size)
     print(json.dumps({"output": str(output), "model": str(args.model), "tower": files.tower.name,
                       "adapter": tune.name if tune is not None else None, "entries": len(result.sums),
                       "prompts": result.prompts, "tokens": result.tokens,

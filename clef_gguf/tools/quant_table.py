@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
         workdir = Path(args.workdir or tmp)
         workdir.mkdir(parents=True, exist_ok=True)
         if demo:
-            from clef_gguf.convert.tiny import build_release
+            from clef_gguf.convert.synthetic.tiny import build_release
 
             release = build_release(workdir / "release", preset=DEMO_PRESET, seed=DEMO_SEED)
         else:

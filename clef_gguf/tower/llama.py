@@ -162,14 +162,7 @@ def _bytes_ptr(buf: np.ndarray) -> Any:
     return buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
 
 
-def _meta(model: Any, key: str) -> str | None:
-    """A GGUF metadata value of a loaded model as text, None where absent."""
-    buf = ctypes.create_string_buffer(64)
-    n = ll.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
-    return buf.value.decode() if n >= 0 else None
-
-
-class _Model:
+class LlamaModel:
     """Owns a ``llama_model*`` loaded with mmap, ``gpu_layers`` of it offloaded."""
 
     def __init__(self, path: Path, gpu_layers: int = 0):
@@ -187,8 +180,14 @@ class _Model:
         self.n_embd = int(ll.llama_model_n_embd(self.ptr))
         self.n_vocab = int(ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(self.ptr)))
         self.n_layer = int(ll.llama_model_n_layer(self.ptr))
-        file_type = _meta(self.ptr, "general.file_type")
+        file_type = self.meta("general.file_type")
         self.ftype = int(file_type) if file_type and file_type.isdigit() else -1
+
+    def meta(self, key: str) -> str | None:
+        """A GGUF metadata value of this model as text (up to 63 bytes), None where absent."""
+        buf = ctypes.create_string_buffer(64)
+        n = ll.llama_model_meta_val_str(self.ptr, key.encode(), buf, len(buf))
+        return buf.value.decode() if n >= 0 else None
 
     def attention(self) -> Attention:
         """The attention setting :data:`ATTENTION_BY_WEIGHTS` gives these weights on this device."""
@@ -201,12 +200,12 @@ class _Model:
             self.ptr = None
 
 
-class _Adapter:
+class LlamaAdapter:
     """Owns a ``llama_adapter_lora*`` loaded on a model: a LoRA applied at run time, on any quant of
     the base it was made for. llama.cpp checks every ``X.lora_a``/``X.lora_b`` against base tensor
     ``X`` (a file for another base fails here); it is freed before its model."""
 
-    def __init__(self, model: _Model, path: Path, scale: float = 1.0):
+    def __init__(self, model: LlamaModel, path: Path, scale: float = 1.0):
         with captured() as lines:
             self.ptr = ll.llama_adapter_lora_init(model.ptr, str(path).encode())
         if not self.ptr:
@@ -224,7 +223,7 @@ class _Adapter:
 _COMPUTE_BUFFER = re.compile(r"compute buffer size =\s*([0-9.]+) MiB")
 
 
-class _Context:
+class LlamaContext:
     """Owns a ``llama_context*`` for one sequence: one recurrent slot, no lm_head over the prompt.
 
     ``seqs > 1`` makes the packed context instead: ``seqs`` sequences, each in a KV stream of its
@@ -233,12 +232,12 @@ class _Context:
     tokens per ubatch. It needs the nextn API (embeddings mode splits ubatches per sequence).
 
     ``eval_callback``: llama.cpp's ``ggml_backend_sched_eval_callback``, shown every graph tensor
-    (the importance-matrix collector, ``convert/imatrix_collect.py``); the caller keeps it alive.
+    (the importance-matrix collector, ``tower/imatrix.py``); the caller keeps it alive.
 
     ``attention`` sets the K/V cache type and flash attention; a saved sequence state carries both
     (the V layout and the cell type), so contexts that exchange states must share it."""
 
-    def __init__(self, model: _Model, n_ctx: int, n_batch: int, threads: int, seqs: int = 1,
+    def __init__(self, model: LlamaModel, n_ctx: int, n_batch: int, threads: int, seqs: int = 1,
                  attention: Attention = ATTENTION["default"], eval_callback: Any = None):
         params = ll.llama_context_default_params()
         if eval_callback is not None:
@@ -257,7 +256,7 @@ class _Context:
         params.flash_attn_type = attention.flash_attn
         self.attention = attention
         self.nextn = _set_nextn is not None and _get_nextn is not None
-        self.adapter: _Adapter | None = None  # the LoRA the next decode applies (None: the base)
+        self.adapter: LlamaAdapter | None = None  # the LoRA the next decode applies (None: the base)
         # Fallback when the staging API is missing: embeddings mode (pays the lm_head per token).
         params.embeddings = not self.nextn
         # nextn: only the last token of a chunk is an output (1 lm_head row). Embeddings mode makes
@@ -277,7 +276,7 @@ class _Context:
         self.compute_bytes = int(sum(float(m.group(1)) for _, text in lines
                                      if (m := _COMPUTE_BUFFER.search(text))) * (1 << 20))
 
-    def use(self, adapter: _Adapter | None) -> None:
+    def use(self, adapter: LlamaAdapter | None) -> None:
         """Apply ``adapter`` (None: none) from the next decode on. llama.cpp keeps the set on the
         context and rebuilds its graph on the next decode after a change; the same set costs
         nothing. Saved sequence states do not depend on it (only the states decoded after)."""
@@ -352,7 +351,7 @@ class _Context:
             self.ptr = None
 
 
-class _Batch:
+class LlamaBatch:
     """Owns a ``llama_batch`` of up to ``size`` tokens, each in one sequence, none an output."""
 
     def __init__(self, size: int):
@@ -387,7 +386,7 @@ class _Batch:
 MROPE_SECTIONS = 4
 
 
-class _Positioned:
+class PositionedBatch:
     """Owns the arrays of a one-sequence ``llama_batch`` with explicit positions: token ids (one
     position each; llama.cpp repeats it over the M-RoPE sections) or input embeddings (media:
     ``MROPE_SECTIONS`` positions each, section-major). ``llama_batch_init`` sizes ``pos`` for one

@@ -17,7 +17,7 @@ from typing import TypeAlias
 import numpy as np
 
 from clef_gguf.core.errors import ClefError, InferenceError
-from clef_gguf.tower.llama import _Adapter, _Batch, _Context, _Model, _Positioned
+from clef_gguf.tower.llama import LlamaAdapter, LlamaBatch, LlamaContext, LlamaModel, PositionedBatch
 from clef_gguf.tower.packing import (PACK_MEMORY_SHARE, SEQ_HEADER, FreeMemory, Slot, chunks, host_free_memory,
                                      next_group, to_one_stream, to_streams)
 from clef_gguf.tower.cache import StateCache
@@ -37,12 +37,12 @@ class _Pool:
     the packed context, its cost probes, and the fine-tunes' adapters (freed with the model)."""
 
     # forward_many's context of several sequences, made on first use (see PackedDecoder.context)
-    packed: tuple[_Context, _Batch, int] | None = None  # context, its batch, KV window
+    packed: tuple[LlamaContext, LlamaBatch, int] | None = None  # context, its batch, KV window
     costs: tuple[int, int] | None = None  # (recurrent state, KV per token) bytes
     refused: int | None = None  # the smallest KV window the memory budget refused
     budget: int | None = None  # bytes a packed context may take, probed on first need
-    adapters: list[_Adapter] = field(default_factory=list)
-    positioned: _Positioned | None = None  # media prompts' batch (ContextSequence.positioned)
+    adapters: list[LlamaAdapter] = field(default_factory=list)
+    positioned: PositionedBatch | None = None  # media prompts' batch (ContextSequence.positioned)
     free_memory: FreeMemory = host_free_memory  # what the packed context's budget is a share of
 
 
@@ -50,8 +50,8 @@ class PackedDecoder:
     """One tower view's packed waves, and the packed context (in the shared pool) they decode in.
     Every method runs under the tower's lock, which ``Tower.forward_many`` holds."""
 
-    def __init__(self, model: _Model, ctx: _Context, pool: _Pool, schedule: Schedule[None, np.ndarray],
-                 adapter: _Adapter | None) -> None:
+    def __init__(self, model: LlamaModel, ctx: LlamaContext, pool: _Pool, schedule: Schedule[None, np.ndarray],
+                 adapter: LlamaAdapter | None) -> None:
         self._model, self._ctx, self._pool = model, ctx, pool  # ctx: the single context
         self._schedule, self._adapter = schedule, adapter
         self.stats: collections.Counter[int] = collections.Counter()  # sequences per packed decode
@@ -65,7 +65,7 @@ class PackedDecoder:
             self._pool.budget = int(self._pool.free_memory(offloaded) * PACK_MEMORY_SHARE)
         return self._pool.budget
 
-    def context(self, seqs: int, window: int, budget: int, ubatch: int) -> _Context | None:
+    def context(self, seqs: int, window: int, budget: int, ubatch: int) -> LlamaContext | None:
         """The context of up to ``seqs`` sequences of ``window`` tokens each, or None where memory
         does not allow two. Its recurrent state (one slot per sequence, ~50 MiB each for the 9B), its KV
         streams and its compute buffer must fit ``budget``. Kept until a call needs more. ``ubatch``:
@@ -86,17 +86,17 @@ class PackedDecoder:
             log.info("no packed decoding: 2 sequences of %d tokens do not fit %d MiB", window, budget >> 20)
             self._pool.refused = window
             return None
-        ctx = _Context(self._model, seqs * window, ubatch, self._ctx.threads, seqs, self._ctx.attention)
+        ctx = LlamaContext(self._model, seqs * window, ubatch, self._ctx.threads, seqs, self._ctx.attention)
         if ctx.compute_bytes + seqs * (recurrent + window * kv) > budget:
             ctx.close()
             log.info("no packed decoding: its compute buffer (%d MiB) does not fit %d MiB",
                      ctx.compute_bytes >> 20, budget >> 20)
             self._pool.refused = window
             return None
-        self._pool.packed, self._packed_prefix = (ctx, _Batch(ubatch), window), None
+        self._pool.packed, self._packed_prefix = (ctx, LlamaBatch(ubatch), window), None
         return ctx
 
-    def decode(self, ctx: _Context, seqs: int, items: list[Item], cache: StateCache | None,
+    def decode(self, ctx: LlamaContext, seqs: int, items: list[Item], cache: StateCache | None,
                results: list[Result]) -> None:
         """Waves of up to ``seqs`` prompts. With a cache, a prompt whose whole prompt, or whose state
         not cached yet, another prompt of the wave decodes waits for the next wave and is restored
@@ -137,7 +137,7 @@ class PackedDecoder:
             ctx.close()
             self._pool.packed = self._packed_prefix = None
 
-    def _wave(self, ctx: _Context, wave: list[Item], cache: StateCache | None,
+    def _wave(self, ctx: LlamaContext, wave: list[Item], cache: StateCache | None,
               results: list[Result]) -> None:
         try:
             self._wave_decode(ctx, wave, cache, results)
@@ -165,7 +165,7 @@ class PackedDecoder:
                     [c for begin, end in plan.segments for c in chunks(begin, end, step)],
                     plan.head if plan.state_key else 0, plan.state_key)
 
-    def _wave_decode(self, ctx: _Context, wave: list[Item],
+    def _wave_decode(self, ctx: LlamaContext, wave: list[Item],
                      cache: StateCache | None, results: list[Result]) -> None:
         assert self._pool.packed is not None
         _, batch, _ = self._pool.packed
@@ -195,7 +195,7 @@ class PackedDecoder:
             results[slot.index] = (hidden, slot.cached)
             self._schedule.remember(slot.ids, hidden, cache)
 
-    def _save_packed(self, ctx: _Context, slot: Slot, cache: StateCache) -> None:
+    def _save_packed(self, ctx: LlamaContext, slot: Slot, cache: StateCache) -> None:
         """The state cache entry ``forward`` would have made after ``[prefix][state]``."""
         size = ctx.state_size(slot.seq)
         if not self._schedule.keepable(cache, size - 4 * (ctx.seqs - 1), slot.save_at):

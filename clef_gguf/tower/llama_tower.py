@@ -21,7 +21,8 @@ import numpy as np
 from clef_gguf.core.cpus import available_cpus, check_threads
 from clef_gguf.core.limits import CONTEXT_WINDOW, DECODE_CHUNK
 from clef_gguf.core.errors import ClefError, InferenceError, InvalidSetting, ModelNotFound
-from clef_gguf.tower.llama import ATTENTION, _Adapter, _Context, _Model, _Positioned, extra_buffer_types, gpu_offload
+from clef_gguf.tower.llama import (ATTENTION, LlamaAdapter, LlamaContext, LlamaModel, PositionedBatch,
+                                   extra_buffer_types, gpu_offload)
 from clef_gguf.tower.packing import PACKING, FreeMemory, PackRule, chunks, host_free_memory
 from clef_gguf.tower.cache import StateCache, usable
 from clef_gguf.pipeline.mediaprompt import MediaPrompt
@@ -41,7 +42,7 @@ class ContextSequence:
 
     vocab_name = "GGUF vocab"
 
-    def __init__(self, model: _Model, ctx: _Context, pool: _Pool, adapter: _Adapter | None) -> None:
+    def __init__(self, model: LlamaModel, ctx: LlamaContext, pool: _Pool, adapter: LlamaAdapter | None) -> None:
         self._model, self._ctx, self._pool, self._adapter = model, ctx, pool, adapter
 
     @property
@@ -105,11 +106,11 @@ class ContextSequence:
         return self._ctx.save(0, size)
 
     @property
-    def positioned(self) -> _Positioned:
+    def positioned(self) -> PositionedBatch:
         """The batch media prompts are decoded with, made on first use (``n_batch`` x ``n_embd``
         floats; in the pool: shared by the views of a tower, used under their lock)."""
         if self._pool.positioned is None:
-            self._pool.positioned = _Positioned(self._ctx.n_batch, self.n_embd)
+            self._pool.positioned = PositionedBatch(self._ctx.n_batch, self.n_embd)
         return self._pool.positioned
 
 
@@ -118,8 +119,8 @@ class Tower:
     llama_decode where :data:`PACKING` says it pays. One view of a loaded tower: the base, or a
     fine-tune's (:meth:`adapted`)."""
 
-    def __init__(self, model: _Model, ctx: _Context, path: Path, *, pool: _Pool, lock: threading.Lock,
-                 adapter: _Adapter | None = None, cache_tag: str = "") -> None:
+    def __init__(self, model: LlamaModel, ctx: LlamaContext, path: Path, *, pool: _Pool, lock: threading.Lock,
+                 adapter: LlamaAdapter | None = None, cache_tag: str = "") -> None:
         """The model, the single context, the ``pool`` and the ``lock`` are shared by every view of
         one loaded tower (:meth:`load` makes them); the view's own are its ``adapter`` (None: the
         base), its ``cache_tag``, its decoded prefix (its schedule's) and its pack stats (its
@@ -148,10 +149,10 @@ class Tower:
                                  f"{gpu_layers!r})", field="gpu_layers")
         if not path.is_file():
             raise ModelNotFound(f"GGUF file not found: {path}", field="tower")
-        model = _Model(path, gpu_layers)
+        model = LlamaModel(path, gpu_layers)
         try:
             setting = ATTENTION[attention] if attention is not None else model.attention()
-            ctx = _Context(model, n_ctx, min(n_batch, n_ctx), threads or available_cpus(), attention=setting)
+            ctx = LlamaContext(model, n_ctx, min(n_batch, n_ctx), threads or available_cpus(), attention=setting)
         except BaseException:
             model.close()
             raise
@@ -320,7 +321,7 @@ class Tower:
         with self._lock:
             if self.closed:
                 raise InferenceError("the tower is closed")
-            adapter = _Adapter(self._model, Path(path), scale)
+            adapter = LlamaAdapter(self._model, Path(path), scale)
             self._pool.adapters.append(adapter)
         return type(self)(self._model, self._ctx, self.path, pool=self._pool, lock=self._lock,
                           adapter=adapter, cache_tag=tag)

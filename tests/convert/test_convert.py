@@ -214,7 +214,7 @@ def test_storage_types(tiny_model_dir_factory, outtype):
 
 
 def test_sharded_release_converts_identically(tiny_model_dir, tmp_path):
-    from clef_gguf.convert.tiny import build_release
+    from clef_gguf.convert.synthetic.tiny import build_release
 
     src = build_release(tmp_path / "sharded", preset="tiny", seed=0, shards=3)
     out = convert_release(src, tmp_path / "out", name="clef-tiny-random")

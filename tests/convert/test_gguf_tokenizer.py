@@ -1,6 +1,6 @@
 """The tokenizer rebuilt from a GGUF's vocabulary (``convert/gguf_tokenizer.py``) vs the release's.
 
-The tiny release's ``tokenizer.json`` (``convert/tiny.py``: byte-level BPE plus Qwen's added tokens)
+The tiny release's ``tokenizer.json`` (``convert/synthetic/tiny.py``: byte-level BPE plus Qwen's added tokens)
 went into the GGUF through ``gguf_vocab``; rebuilt from the GGUF alone it must tokenize and decode
 exactly like the original, and ``convert split`` without ``--tokenizer`` must give a model that
 decides like one split with the release's file.
@@ -24,7 +24,7 @@ from clef_gguf.formats import files
 from clef_gguf.convert import split as split_module
 from clef_gguf.convert.gguf_tokenizer import tokenizer_from_gguf, tokenizer_spec
 from clef_gguf.convert.split import add_split_arguments, run_split, split_native
-from clef_gguf.convert.tiny import PLAIN_ADDED_TOKENS, QWEN_PRETOKENIZE_REGEX, SPECIAL_TOKENS
+from clef_gguf.convert.synthetic.tiny import PLAIN_ADDED_TOKENS, QWEN_PRETOKENIZE_REGEX, SPECIAL_TOKENS
 from clef_gguf.pipeline.encode import (FIELD_END, OPTIONS_HEADER, PREFIX, SCHEMA_HEADER, SUFFIX, Encoder,
                               option_text, render)
 from clef_gguf.core.errors import ConversionError

@@ -115,7 +115,7 @@ def test_q8_0_keeps_layers_in_f16_through_llama_cpp(tiny_release, tmp_path, caps
 
 @pytest.fixture(scope="module")
 def deep_f32(tmp_path_factory):
-    from clef_gguf.convert import tiny
+    from clef_gguf.convert.synthetic import tiny
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(tiny.PRESETS, "deep", dict(tiny.PRESETS["tiny256"], layers=12))

@@ -17,10 +17,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from clef_gguf.formats import files
-from clef_gguf.convert.finetune_demo import build_finetune_checkpoint
+from clef_gguf.convert.synthetic.finetune_demo import build_finetune_checkpoint
 from clef_gguf.convert.lora import EDIT_SIDE, convert_adapter
 from clef_gguf.convert.release import convert_release
-from clef_gguf.convert.tiny import build_release
+from clef_gguf.convert.synthetic.tiny import build_release
 from clef_gguf.core.errors import AdapterMismatch, ConversionError, CorruptModel, HeadMismatch, ModelNotFound
 from clef_gguf.formats.finetune_files import AdapterFiles, read_adapter_manifest
 from clef_gguf.tower.llama import ensure_backend, extra_buffer_types

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from clef_gguf.convert import probe_tower, quantize
-from clef_gguf.convert.big import write_random_tower
+from clef_gguf.convert.synthetic.big import write_random_tower
 from clef_gguf.tower.llama_tower import Tower
 
 PRESET = "small"  # 12 layers 3:1, every row a multiple of 256: each layer-dependent rule applies

@@ -17,7 +17,7 @@ from media_helpers import IMAGE, VIDEO, data_uri, exif_rotated_jpeg, png_uri, ru
 from tokenizers import Tokenizer
 
 from clef_gguf.core import errors
-from clef_gguf.convert.tiny import TINY_IMAGE_PROCESSOR, TINY_VIDEO_PROCESSOR
+from clef_gguf.convert.synthetic.tiny import TINY_IMAGE_PROCESSOR, TINY_VIDEO_PROCESSOR
 from clef_gguf.media import (INLINE_ONLY, load_images, load_processor_config, load_video_frames, parse_media_kwargs,
                              prepare_media)
 from clef_gguf.media.processor import resize, smart_resize

@@ -160,7 +160,7 @@ def test_clef_flash_settings(tiny_release, clips, tmp_path):
     import json
     import shutil
 
-    from clef_gguf.convert.tiny import TINY_IMAGE_PROCESSOR, TINY_VIDEO_PROCESSOR
+    from clef_gguf.convert.synthetic.tiny import TINY_IMAGE_PROCESSOR, TINY_VIDEO_PROCESSOR
 
     release = tmp_path / "qwen35"
     release.mkdir()

@@ -262,7 +262,7 @@ def nvfp4_checkpoint(*, shards: int = 1, head: dict[str, bytes] | None = None, s
 
 def cli_parsers(catalog: dict, tmp_path, monkeypatch) -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     """``pull`` and ``list`` parsers as the CLI builds them, reading ``catalog`` (written to tmp_path)."""
-    from clef_gguf.models import commands
+    from clef_gguf.pick import catalog_commands as commands
     from clef_gguf.models.catalog import CATALOG_ENV
 
     path = tmp_path / "catalog.json"

@@ -172,7 +172,7 @@ def test_every_seed_file_is_in_the_catalog_and_resolvable_by_name(cat):
 def test_list_available_shows_every_seed_file(monkeypatch, tmp_path, capsys):
     import argparse
 
-    from clef_gguf.models import commands
+    from clef_gguf.pick import catalog_commands as commands
 
     monkeypatch.delenv(CATALOG_ENV, raising=False)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # no pins yet

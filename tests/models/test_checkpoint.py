@@ -18,7 +18,8 @@ import pytest
 from _fakehub import FakeHub, cli_parsers, head_source, nvfp4_checkpoint, point_at, sha256
 from clef_gguf.core.errors import CorruptModel, ModelNotFound, PinMismatch
 from clef_gguf.formats.files import from_directory
-from clef_gguf.models import commands, hub, listing, pins, placement
+from clef_gguf.models import hub, listing, pins, placement
+from clef_gguf.pick import catalog_commands as commands
 from clef_gguf.models.catalog import CATALOG_ENV, Catalog
 from clef_gguf.models.machine import GiB, DeviceProfile
 

@@ -16,10 +16,11 @@ from safetensors.torch import load_file
 
 from _fakehub import FakeHub, cli_parsers, point_at, tiny_catalog
 from clef_gguf import Clef
-from clef_gguf.convert.tiny import build_release
+from clef_gguf.convert.synthetic.tiny import build_release
 from clef_gguf.core.errors import CorruptModel, ModelNotFound
 from clef_gguf.formats.files import VISION_CONFIG, VISION_WEIGHTS
-from clef_gguf.models import commands, hub
+from clef_gguf.models import hub
+from clef_gguf.pick import catalog_commands as commands
 from clef_gguf.models.catalog import CATALOG_ENV
 
 TOWER_REPO, HEAD_REPO = "test-org/clef-flash-GGUF", "test-org/clef-flash"

@@ -19,7 +19,8 @@ from clef_gguf import Clef
 from clef_gguf.formats import files as model_files
 from clef_gguf.convert import split as split_module
 from clef_gguf.core.errors import PinMismatch
-from clef_gguf.models import commands, hfcache, hub, listing, pins
+from clef_gguf.models import hfcache, hub, listing, pins
+from clef_gguf.pick import catalog_commands as commands
 from clef_gguf.models.catalog import CATALOG_ENV, Catalog
 
 NATIVE_REPO, HEAD_REPO = "test-org/Clef-Tiny-GGUF", "test-org/clef-tiny"

@@ -15,7 +15,8 @@ import pytest
 from _fakehub import FakeHub, point_at, sha256
 from clef_gguf import cli
 from clef_gguf.core.errors import ModelLoadError, PinMismatch
-from clef_gguf.models import commands, hub, listing
+from clef_gguf.models import hub, listing
+from clef_gguf.pick import catalog_commands as commands
 from clef_gguf.models.catalog import CATALOG_ENV, Catalog
 from clef_gguf.models.pins import pin, pins_path, record_pin
 

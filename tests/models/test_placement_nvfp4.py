@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from _gpus import B200, H200, RTX5060_8GB, RTX5090, X86, box
+from machine_helpers import B200, H200, RTX5060_8GB, RTX5090, X86, box
 from clef_gguf.models import Catalog
 from clef_gguf.models.machine import GPU, GiB, DeviceProfile
 from clef_gguf.models.placement import recommend

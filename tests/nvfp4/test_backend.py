@@ -93,7 +93,7 @@ def test_the_tower_is_the_reference_model_on_the_dequantized_weights(clef, model
 @pytest.fixture(scope="module")
 def tiny256(tmp_path_factory):
     from clef_gguf.convert.release import convert_release
-    from clef_gguf.convert.tiny import build_release
+    from clef_gguf.convert.synthetic.tiny import build_release
 
     root = tmp_path_factory.mktemp("tiny256")
     release = build_release(root / "release", preset="tiny256", seed=0)

@@ -265,7 +265,7 @@ def test_another_model_name_is_answered_by_the_default_and_refused_only_when_str
 
 def test_finetune_of_another_base_size_is_refused_at_load(tiny_model_dir, tmp_path_factory):
     from clef_gguf.convert.release import convert_release
-    from clef_gguf.convert.tiny import build_release
+    from clef_gguf.convert.synthetic.tiny import build_release
 
     root = tmp_path_factory.mktemp("tiny256-finetune")
     release = build_release(root / "release", preset="tiny256", seed=0)
@@ -285,7 +285,7 @@ def _truncate_adapter(tune: Path) -> None:
 
 
 def _wide_head(tune: Path) -> None:
-    from clef_gguf.convert.tiny import PRESETS
+    from clef_gguf.convert.synthetic.tiny import PRESETS
     from clef_gguf.heads import random_head, save_head
 
     save_head(random_head(PRESETS["tiny256"]["head"], seed=1), tune, dtype=torch.float32)

@@ -201,10 +201,10 @@ def test_a_state_is_never_shared_across_fine_tunes(served):
 
 # ------------------------------------------------------------------ refusals
 def test_a_fine_tune_of_another_size_is_refused(tiny_model_dir, tmp_path):
-    from clef_gguf.convert.finetune_demo import build_finetune_checkpoint
+    from clef_gguf.convert.synthetic.finetune_demo import build_finetune_checkpoint
     from clef_gguf.convert.lora import convert_adapter
     from clef_gguf.convert.release import convert_release
-    from clef_gguf.convert.tiny import build_release
+    from clef_gguf.convert.synthetic.tiny import build_release
 
     release = build_release(tmp_path / "rel256", preset="tiny256")
     other = convert_release(release, tmp_path / "m256", outtype="f32", name="m256")

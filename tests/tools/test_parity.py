@@ -74,7 +74,7 @@ def state_text(encoder, n: int, seed: int) -> str:
     """Text of exactly ``n`` tokens, words drawn from the converter's corpus."""
     import random
 
-    from clef_gguf.convert._corpus import CORPUS
+    from clef_gguf.convert.synthetic.corpus import CORPUS
 
     words, rng, text = CORPUS.split(), random.Random(seed), ""
     while len(encoder.tokenizer.encode(text, add_special_tokens=False).ids) < n + 8:

@@ -51,7 +51,7 @@ OUTPUT_TYPES = {"F32": 1e-6, "F16": 1e-3, "BF16": 1e-2, "Q8_0": 0.01, "Q6_K": 0.
 
 @pytest.fixture(scope="session")
 def release256(tmp_path_factory):
-    from clef_gguf.convert.tiny import build_release
+    from clef_gguf.convert.synthetic.tiny import build_release
 
     return build_release(tmp_path_factory.mktemp("tiny256-release"), preset="tiny256", seed=0)
 

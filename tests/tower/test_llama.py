@@ -59,10 +59,10 @@ def test_a_capture_holds_its_own_threads_lines_only():
 
 
 def test_each_context_reports_its_own_compute_buffer(tiny_model_dir):
-    model = llama._Model(from_directory(tiny_model_dir).tower)
+    model = llama.LlamaModel(from_directory(tiny_model_dir).tower)
     try:
-        small = llama._Context(model, 256, 64, 1)
-        big = llama._Context(model, 1024, 512, 1)
+        small = llama.LlamaContext(model, 256, 64, 1)
+        big = llama.LlamaContext(model, 1024, 512, 1)
         try:
             assert 0 < small.compute_bytes < big.compute_bytes
         finally:
@@ -73,7 +73,7 @@ def test_each_context_reports_its_own_compute_buffer(tiny_model_dir):
 
 
 def test_the_attention_setting_is_a_table_lookup(tiny_model_dir, monkeypatch):
-    model = llama._Model(from_directory(tiny_model_dir).tower)
+    model = llama.LlamaModel(from_directory(tiny_model_dir).tower)
     try:
         assert model.ftype == llama.ll.LLAMA_FTYPE_ALL_F32 and model.n_layer == 4
         assert model.attention() is llama.ATTENTION["exact-f32"]
@@ -83,8 +83,8 @@ def test_the_attention_setting_is_a_table_lookup(tiny_model_dir, monkeypatch):
         monkeypatch.setattr(llama, "ATTENTION_BY_WEIGHTS", {})
         assert model.attention() is llama.ATTENTION["default"]
         # without flash attention llama.cpp reserves the full f32 score matrix
-        exact = llama._Context(model, 1024, 128, 1, attention=llama.ATTENTION["exact-f32"])
-        plain = llama._Context(model, 1024, 128, 1)
+        exact = llama.LlamaContext(model, 1024, 128, 1, attention=llama.ATTENTION["exact-f32"])
+        plain = llama.LlamaContext(model, 1024, 128, 1)
         try:
             assert exact.compute_bytes > plain.compute_bytes
             assert exact.can_tap_layers and plain.attention is llama.ATTENTION["default"]

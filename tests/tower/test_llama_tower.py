@@ -228,7 +228,7 @@ def test_a_failed_packed_decode_falls_back_to_one_by_one(gguf_path, packed_promp
         calls.append(len(group))
         raise errors.InferenceError("llama_decode failed with code -3")
 
-    monkeypatch.setattr(llama._Batch, "fill", failing)
+    monkeypatch.setattr(llama.LlamaBatch, "fill", failing)
     with Tower.load(gguf_path, n_ctx=1024, threads=2, n_batch=128) as t:
         got = t.forward_many(packed_prompts, None, pack=4)
     assert calls  # the packed path ran, failed, and every prompt was decoded alone

@@ -178,7 +178,7 @@ def test_a_missing_directory_is_refused(tmp_path):
 
 
 def test_a_release_missing_a_listed_shard_is_refused(tmp_path):
-    from clef_gguf.convert.tiny import build_release
+    from clef_gguf.convert.synthetic.tiny import build_release
 
     src = build_release(tmp_path / "sharded", preset="tiny", seed=0, shards=3)
     index = json.loads((src / "model.safetensors.index.json").read_text())

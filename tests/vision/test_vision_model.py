@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from clef_gguf.convert.tiny import build_release, strong_vision_tensor
+from clef_gguf.convert.synthetic.tiny import build_release, strong_vision_tensor
 from clef_gguf.core.errors import InferenceError, InvalidSetting
 from clef_gguf.vision import VisionTower
 

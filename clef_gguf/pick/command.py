@@ -8,7 +8,7 @@ import json
 from clef_gguf.core.argtypes import positive_int, seconds
 from clef_gguf.core.cpus import available_cpus
 from clef_gguf.core.errors import InvalidValue
-from clef_gguf.models import evidence, speed
+from clef_gguf.pick import evidence, speed
 from clef_gguf.models.machine import DeviceProfile, probe
 from clef_gguf.models.placement import DEFAULT_CONTEXT, Recommendation, fp4_note, gib, gpu_layers, recommend
 
@@ -163,7 +163,8 @@ def rows(rec: Recommendation, table: speed.SpeedTable | None, agreements: dict[s
         out.append({"quant": c.quant, "size_bytes": c.size_bytes, "size_basis": c.size_basis,
                     "memory_bytes": c.need_bytes, "fits": c.fits,
                     "seconds": s.seconds if s else None, "tokens_per_second": s.tokens_per_second if s else None,
-                    "probe_error": s.error if s else None, "agreement": agreements.get(c.quant.upper())})
+                    "probe_error": s.error if s else None, "under_load": bool(s and s.loaded),
+                    "agreement": agreements.get(c.quant.upper())})
     return out
 
 
@@ -175,6 +176,12 @@ def print_table(rec: Recommendation, table: speed.SpeedTable | None, agreements:
         print(f"Speed here: {table.decision()} with {table.threads} threads, {when}.")
         print(f"  (predicted from {table.probe_layers} of {table.layers} layers at the real shapes; "
               f"head {table.head_seconds * 1e3:.0f} ms included)")
+        if table.loaded_quants:
+            busiest = max((s.load or {}).get("contended_cores", 0.0) for s in table.quants.values())
+            print(f"  Under load: other processes kept up to {busiest:.1f} of the probe's {table.threads} "
+                  f"cores busy while {', '.join(table.loaded_quants)} were timed (twice each): their seconds "
+                  "may read high. The next pick measures them again once the machine is quiet "
+                  "(or: pick --reprobe).")
     elif not args.no_probe:
         print(f"Speed: no probe for {rec.family} (its tower shapes are not confirmed); memory only.")
     head = f"  {'quant':<8} {'file GB':>8} {'memory GiB':>10} {'fits':>4}"
@@ -194,5 +201,7 @@ def print_table(rec: Recommendation, table: speed.SpeedTable | None, agreements:
             line += f" {a:>15.4f}" if a is not None else f" {'-':>15}"
         if r["probe_error"]:
             line += f"  (probe failed: {r['probe_error']})"
+        elif r["under_load"]:
+            line += "  (timed under load)"
         print(line)
     print()

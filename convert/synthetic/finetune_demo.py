@@ -79,7 +79,7 @@ def build_finetune_checkpoint(release_dir: Path, out: Path, *, seed: int = 1, ra
     save_file(head, str(out / HEAD_WEIGHTS), metadata={"format": "pt"})
     train = {"model": {"path": str(release_dir.resolve())},
              "lora": {"r": rank, "alpha": 2 * rank, "dropout": 0.0},
-             "seed": seed, "generator": "clef_gguf.convert.finetune_demo.build_finetune_checkpoint",
+             "seed": seed, "generator": "clef_gguf.convert.synthetic.finetune_demo.build_finetune_checkpoint",
              "warning": WARNING}
     (out / TRAIN_CONFIG).write_text(json.dumps(train, indent=2) + "\n")
     return out

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from clef_gguf.formats import files
-from clef_gguf.convert.finetune_demo import build_finetune_checkpoint
+from clef_gguf.convert.synthetic.finetune_demo import build_finetune_checkpoint
 from clef_gguf.formats.finetune_files import AdapterFiles
 
 

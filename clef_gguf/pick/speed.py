@@ -4,7 +4,7 @@
 family publishes. For each, ``convert/probe_tower.py`` writes one full-attention interval of decoder
 layers (Clef-Flash: 3 linear-attention + 1 full-attention, hidden 4096, feed-forward 12,288, its head
 counts; a small test shape: all its layers) whose tensors have the types the published file gives
-them, and ``models/speed_run.py`` times prefills through it with the runtime's llama.cpp context and
+them, and ``clef_gguf/pick/speed_run.py`` times prefills through it with the runtime's llama.cpp context and
 threads: at the decision's length when that is cheap, else 16 and 64 tokens long. A prefill's time is
 a part per ``llama_decode`` call and a part per token (``speed_run._time_tower``); the line through the
 fastest of each length gives both, and the prediction adds up a decision's calls and tokens, scales it
@@ -33,21 +33,20 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from clef_gguf.convert.big import needed_bytes, preset_config
-from clef_gguf.core.errors import InvalidValue
+from clef_gguf.convert.synthetic.big import needed_bytes, preset_config
+from clef_gguf.core.errors import InvalidValue, ProbeFailed
 from clef_gguf.core.limits import DECODE_CHUNK, SYSTEM_PREFIX_TOKENS
 from clef_gguf.models.hfcache import clef_home
 from clef_gguf.models.placement import Recommendation
+from clef_gguf.pick import load, probe_process
 
-FORMAT = "clef-gguf-speed-probe/3"  # 3: the line through two lengths (2 scaled one)
+FORMAT = "clef-gguf-speed-probe/4"  # 4: each quant's load window (3: the line through two lengths)
 DEFAULT_TOKENS = 500
 PREFERENCES = ("quality", "speed")
 # Families whose every tower shape is confirmed (convert.big's preset). The 27B's linear-attention and
@@ -78,6 +77,9 @@ class QuantSpeed:
     error: str | None = None
     short_tokens: int | None = None  # the line's short end (None: the runs are scaled, or the decision's own)
     short_runs: tuple[float, ...] = ()
+    load: dict[str, float] | None = None  # other processes while it was timed (``load.Window``)
+    loaded: bool = False  # timed under load (and, when measured again, under load again)
+    remeasured: bool = False  # measured twice: under load, or out of line with its kernel group
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,11 @@ class SpeedTable:
     picture_seconds: float = 0.0  # the vision tower on it, in every quant's ``seconds``
     cached: bool = False
 
+    @property
+    def loaded_quants(self) -> tuple[str, ...]:
+        """Quants whose kept time was measured while other processes loaded the probe's cores."""
+        return tuple(q for q, s in self.quants.items() if s.loaded)
+
     def decision(self) -> str:
         """What was timed, in words: "a decision of 500 tokens" (and its picture)."""
         if not self.picture:
@@ -112,12 +119,14 @@ class SpeedTable:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["quants"] = {q: dataclasses.asdict(s) for q, s in self.quants.items()}
+        d["loaded_quants"] = list(self.loaded_quants)
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SpeedTable:
         quants = {q: QuantSpeed(**{**s, "probe_runs": tuple(s["probe_runs"]),
                                      "short_runs": tuple(s.get("short_runs", ()))}) for q, s in d["quants"].items()}
+        d = {k: v for k, v in d.items() if k != "loaded_quants"}
         return cls(**{**d, "quants": quants})
 
 
@@ -200,53 +209,6 @@ def _scratch() -> str | None:
     return None
 
 
-@dataclass
-class _ChildResult:
-    rows: dict[str, dict] = field(default_factory=dict)  # per quant
-    head: float | None = None
-    picture_tokens: int | None = None
-    picture_seconds: float | None = None
-    tail: str = ""  # the last process's stderr, for a failure's message
-
-
-def _run_child(spec: dict[str, Any], deadline: float) -> _ChildResult:
-    """Run speed_run on ``spec``. A quant that killed the process is recorded as failed and the
-    rest run in a fresh one, told what the first already measured."""
-    got = _ChildResult()
-    todo = list(spec["quants"])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), GGML_NO_BACKTRACE="1")
-    while todo:
-        spec_path = Path(spec["workdir"]) / "spec.json"
-        spec_path.write_text(json.dumps({**spec, "quants": todo, "head_known": got.head is not None,
-                                         "picture_tokens": got.picture_tokens}))
-        left = deadline - time.monotonic()
-        if left <= 0:
-            break
-        try:
-            proc = subprocess.run([sys.executable, "-m", "clef_gguf.models.speed_run", str(spec_path)],
-                                  capture_output=True, text=True, errors="replace", env=env, timeout=left)
-            out, got.tail = proc.stdout, proc.stderr[-2000:]
-        except subprocess.TimeoutExpired as exc:
-            out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-            got.tail = "the probe ran out of time"
-        for line in out.splitlines():
-            try:
-                obj = json.loads(line)
-            except ValueError:
-                continue
-            if "head_seconds" in obj:
-                got.head = float(obj["head_seconds"])
-            elif "picture_tokens" in obj:
-                got.picture_tokens, got.picture_seconds = int(obj["picture_tokens"]), float(obj["picture_seconds"])
-            elif obj.get("quant") in todo:
-                got.rows[obj["quant"]] = obj
-        rest = [q for q in todo if q not in got.rows]
-        if rest:  # the process ended (or timed out) inside rest[0]
-            got.rows[rest[0]] = {"quant": rest[0], "error": f"the probe process stopped: {got.tail.strip()[-200:]}"}
-        todo = rest[1:]
-    return got
-
-
 def decode_calls(tokens: int) -> int:
     """``llama_decode`` calls of a decision that decodes ``tokens`` past the kept prefix: its state and
     its rest apart (``tower/schedule.py``; the probe takes half each), each in chunks of DECODE_CHUNK."""
@@ -270,6 +232,19 @@ def tower_seconds(n: int, runs: tuple[float, ...], short_n: int | None, shorts: 
     return statistics.median(runs) * tokens / n
 
 
+def _speed(q: str, row: dict, decoded: int, scale: float, head: float, picture_seconds: float) -> QuantSpeed:
+    if "error" in row:
+        return QuantSpeed(q, error=str(row["error"]))
+    n, runs = int(row["probe_tokens"]), tuple(float(t) for t in row["probe_runs"])
+    short_n = int(row["short_tokens"]) if row.get("short_tokens") else None
+    shorts = tuple(float(t) for t in row.get("short_runs") or ())
+    at = tower_seconds(n, runs, short_n, shorts, decoded)
+    tower = at * scale
+    return QuantSpeed(q, n, runs, round(at, 4), round(tower, 4), round(tower + head + picture_seconds, 4),
+                      round(decoded / tower, 2), short_tokens=short_n, short_runs=shorts, load=row.get("load"),
+                      loaded=bool(row.get("loaded")), remeasured=bool(row.get("remeasured")))
+
+
 def measure(family: str, quants: list[str], *, tokens: int = DEFAULT_TOKENS, threads: int,
             gpu_layers: dict[str, int] | None = None, reprobe: bool = False, timeout: float = TIMEOUT_S,
             workdir: Path | None = None, preset: str | None = None, picture: int | None = None) -> SpeedTable | None:
@@ -278,7 +253,12 @@ def measure(family: str, quants: list[str], *, tokens: int = DEFAULT_TOKENS, thr
     where the runtime would place that file on the GPU (``placement.gpu_layers``); absent: the CPU.
     ``preset``: another ``convert.big`` shape (the accuracy check runs the ~110M ``small``).
     ``picture``: each decision also carries one ``picture`` x ``picture`` image (Clef-Flash's vision
-    tower and processor; its tokens are added to ``tokens``)."""
+    tower and processor; its tokens are added to ``tokens``).
+
+    Each quant's window of machine load is recorded (``load.Meter``). A quant timed under load, or out
+    of line with its kernel group (``out_of_line``), is measured once more and the quieter (else the
+    faster) of its two measurements kept; one still under load is marked ``loaded`` in the table. A
+    kept table's loaded quants are measured again by the next ``pick`` when the machine is quiet."""
     preset = preset or preset_for(family)
     if preset is None:
         return None
@@ -290,39 +270,47 @@ def measure(family: str, quants: list[str], *, tokens: int = DEFAULT_TOKENS, thr
         raise InvalidValue(f"--picture must be at least 1 pixel (got {picture})", field="picture")
     key = machine_key(preset, tokens, threads, gpu_layers, picture)
     known = None if reprobe else cached(key)
-    if known is not None and all(q in known.quants for q in wanted):
-        return known
+    todo = [q for q in wanted if known is None or q not in known.quants]
+    if known is not None:
+        stale = [q for q in wanted if q in known.loaded_quants and q not in todo]
+        if stale and load.contention_now(threads) <= load.LOADED_CORES:
+            todo += stale  # taken under load, and the machine is quiet now
+        if not todo:
+            return known
     p = preset_config(preset)
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="clef-gguf-speed-", dir=workdir or _scratch()) as tmp:
         decoded = max(1, tokens - SYSTEM_PREFIX_TOKENS)
-        probed = list(dict.fromkeys(SAME_LAYERS.get(q, q) for q in wanted))
+        probed = list(dict.fromkeys(SAME_LAYERS.get(q, q) for q in todo))
         spec = {"workdir": tmp, "preset": preset, "quants": probed, "tokens": decoded, "threads": threads,
                 "prefix": tokens - decoded,
                 "gpu_layers": {SAME_LAYERS.get(q, q): n for q, n in gpu_layers.items()},
                 "probe_layers": probe_layers(p), "layers": p["layers"], "head": p["head"], "picture": picture,
                 "head_tokens": tokens}  # the head reads every hidden state, the prefix's too
-        got = _run_child(spec, start + timeout)
-    head = got.head
-    if head is None or (picture and got.picture_seconds is None):
-        raise InvalidValue(f"the speed probe failed before measuring anything: {got.tail.strip()[-300:]}",
-                           field="probe")
-    picture_tokens, picture_seconds = got.picture_tokens or 0, got.picture_seconds or 0.0
-    decoded += picture_tokens
-    scale = p["layers"] / spec["probe_layers"]
-    out = dict(known.quants) if known is not None else {}
-    for q in wanted:
-        row = got.rows.get(SAME_LAYERS.get(q, q)) or {"error": "not measured (the probe ran out of time)"}
-        if "error" in row:
-            out[q] = QuantSpeed(q, error=str(row["error"]))
-            continue
-        n, runs = int(row["probe_tokens"]), tuple(float(t) for t in row["probe_runs"])
-        short_n = int(row["short_tokens"]) if row.get("short_tokens") else None
-        shorts = tuple(float(t) for t in row.get("short_runs") or ())
-        at = tower_seconds(n, runs, short_n, shorts, decoded)
-        tower = at * scale
-        out[q] = QuantSpeed(q, n, runs, round(at, 4), round(tower, 4), round(tower + head + picture_seconds, 4),
-                            round(decoded / tower, 2), short_tokens=short_n, short_runs=shorts)
+        deadline = start + timeout
+        got = probe_process.run(spec, deadline, threads)
+        head = got.head
+        if head is None or (picture and got.picture_seconds is None):
+            raise ProbeFailed(f"the speed probe failed before measuring anything: {got.tail.strip()[-300:]}",
+                              field="probe")
+        picture_tokens, picture_seconds = got.picture_tokens or 0, got.picture_seconds or 0.0
+        decoded += picture_tokens
+        scale = p["layers"] / spec["probe_layers"]
+        # a decision through the probe's layers, per probed type: this run's, and the kept table's
+        at = {SAME_LAYERS.get(q, q): s.probe_seconds for q, s in (known.quants if known else {}).items()
+              if s.probe_seconds is not None}
+        at |= {q: s.probe_seconds for q, r in got.rows.items()
+               if (s := _speed(q, r, decoded, scale, head, picture_seconds)).probe_seconds is not None}
+        lines = load.out_of_line(at)
+        suspects = [q for q in probed if "error" not in got.rows.get(q, {"error": 1})
+                    and (got.rows[q]["loaded"] or q in lines)]
+        again = probe_process.run({**spec, "quants": suspects}, deadline, threads, known=got) if suspects else None
+    rows = {q: load.kept(r, again.rows.get(q) if again else None) for q, r in got.rows.items()}
+    out = {q: dataclasses.replace(s, seconds=round(s.tower_seconds + head + picture_seconds, 4))
+           if s.tower_seconds is not None else s for q, s in (known.quants if known else {}).items()}
+    for q in todo:
+        row = rows.get(SAME_LAYERS.get(q, q)) or {"error": "not measured (the probe ran out of time)"}
+        out[q] = _speed(q, row, decoded, scale, head, picture_seconds)
     table = SpeedTable(family, preset, tokens, threads, gpu_layers, p["layers"], spec["probe_layers"], round(head, 4),
                        out, key, datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                        round(time.monotonic() - start, 1), picture, picture_tokens, round(picture_seconds, 4))

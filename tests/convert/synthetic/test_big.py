@@ -9,8 +9,8 @@ import math
 import numpy as np
 import pytest
 
-from clef_gguf.convert import big
-from clef_gguf.convert.tiny import build_tokenizer
+from clef_gguf.convert.synthetic import big
+from clef_gguf.convert.synthetic.tiny import build_tokenizer
 from clef_gguf.core.errors import ConversionError
 from clef_gguf.formats.gguf import field_value, open_gguf
 

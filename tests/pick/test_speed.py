@@ -7,12 +7,16 @@ import argparse
 import dataclasses
 import json
 import statistics
+import sys
 
 import pytest
 
-from _gpus import X86
+from machine_helpers import X86
+from clef_gguf.cli import main
+from clef_gguf.core import errors
 from clef_gguf.core.errors import InvalidValue
-from clef_gguf.models import pick, speed
+from clef_gguf.pick import command as pick
+from clef_gguf.pick import speed
 from clef_gguf.models.machine import GiB, DeviceProfile
 from clef_gguf.models.placement import recommend
 
@@ -239,3 +243,15 @@ def test_a_quant_the_build_cannot_make_is_that_rows_error_not_the_probes(small_f
     table = speed.measure("clef-flash", ["Q4_0", "Q7_X"], tokens=64, threads=1)
     assert table.quants["Q4_0"].seconds > 0
     assert "Q7_X is not a type this llama.cpp build quantizes to" in table.quants["Q7_X"].error
+
+
+def test_a_probe_process_that_fails_is_probe_failed_with_its_words(small_family, monkeypatch, capsys):
+    from clef_gguf.pick import probe_process
+
+    monkeypatch.setattr(probe_process, "module_command",
+                        lambda module, *args: [sys.executable, "-c", "import sys; sys.exit('no GPU driver here')"])
+    with pytest.raises(errors.ProbeFailed, match="no GPU driver here") as caught:
+        speed.measure("clef-flash", ["Q4_K_M"], tokens=64, threads=1)
+    assert caught.value.code == "probe_failed" and caught.value.exit_code == 1
+    assert main(["pick", "--quants", "Q4_K_M", "--tokens", "64"]) == 1
+    assert json.loads(capsys.readouterr().out)["error"]["code"] == "probe_failed"

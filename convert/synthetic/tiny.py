@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from clef_gguf.convert._corpus import CORPUS
+from clef_gguf.convert.synthetic.corpus import CORPUS
 
 # Qwen's pre-tokenizer regex (Qwen3.5 adds \p{M} so combining marks stay with their letters).
 QWEN_PRETOKENIZE_REGEX = (
@@ -120,7 +120,7 @@ def build_tokenizer(bpe_vocab: int):
     return tok
 
 
-def _tokenizer_config(tok) -> dict:
+def tokenizer_config(tok) -> dict:
     decoder = {}
     for text in SPECIAL_TOKENS + PLAIN_ADDED_TOKENS:
         decoder[str(tok.token_to_id(text))] = {
@@ -204,7 +204,7 @@ def _decoder_layer(pre: str, p: dict, kind: str, out_scale: float) -> list[tuple
     return out
 
 
-def _vision_tensors(p: dict, vision: dict | None = None) -> list[tuple]:
+def vision_tensors(p: dict, vision: dict | None = None) -> list[tuple]:
     """The release's ``model.visual.*`` tensors for the vision config ``vision`` (default: the tiny one)."""
     v, pre, w = vision or _TINY_VISION, "model.visual.", ("normal", 0.02)
     D, I, merged = v["hidden_size"], v["intermediate_size"], v["hidden_size"] * v["spatial_merge_size"] ** 2  # noqa: E741
@@ -239,7 +239,7 @@ def tensor_specs(p: dict) -> list[tuple]:
         specs += _decoder_layer(f"{lm}layers.{i}.", p, kind, out_scale)
     specs += [(lm + "norm.weight", [H], ("zc_norm", 0.1)),
               ("lm_head.weight", [V, H], ("normal", 1.0 / math.sqrt(H)))]
-    specs += _vision_tensors(p)
+    specs += vision_tensors(p)
     # One multi-token-prediction block, as the real checkpoints carry (transformers ignores mtp.*).
     specs += [("mtp.fc.weight", [H, 2 * H], ("normal", 1.0 / math.sqrt(2 * H))),
               ("mtp.pre_fc_norm_embedding.weight", [H], ("zc_norm", 0.1)),
@@ -265,7 +265,7 @@ def strong_vision_tensor(name: str, tensor: torch.Tensor, gen: torch.Generator) 
     return value.to(tensor.dtype)
 
 
-def _init(shape: list[int], rule: tuple, gen: torch.Generator) -> torch.Tensor:
+def init_tensor(shape: list[int], rule: tuple, gen: torch.Generator) -> torch.Tensor:
     kind, scale = rule
     if kind == "zeros":
         return torch.zeros(shape)
@@ -292,7 +292,7 @@ def _write_weights(out: Path, specs: list[tuple], shards: int, seed: int) -> lis
     weight_map = {}
     for fname, group in zip(names, groups):
         # Generated shard by shard in one fixed order: the values do not depend on the sharding.
-        tensors = {name: _init(shape, rule, gen).to(torch.bfloat16) for name, shape, rule in group}
+        tensors = {name: init_tensor(shape, rule, gen).to(torch.bfloat16) for name, shape, rule in group}
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
         weight_map.update({name: fname for name in tensors})
         del tensors
@@ -302,7 +302,7 @@ def _write_weights(out: Path, specs: list[tuple], shards: int, seed: int) -> lis
     return names
 
 
-def _write_head(out: Path, head_config: dict, seed: int) -> None:
+def write_head(out: Path, head_config: dict, seed: int) -> None:
     # The head package owns the module tree and the file format; we only ask it for random weights.
     import clef_gguf.heads as heads
 
@@ -329,14 +329,14 @@ def build_release(out_dir, *, preset: str = "tiny", seed: int = 0, shards: int |
     if tok.get_vocab_size(with_added_tokens=True) >= p["vocab_size"]:
         raise ValueError("preset vocab_size must exceed the tokenizer so the embedding has padding rows")
     tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(tok), indent=2) + "\n")
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(tok), indent=2) + "\n")
     (out / "config.json").write_text(json.dumps(make_config(p, tok), indent=2) + "\n")
     _write_weights(out, tensor_specs(p), shards or p["shards"], seed)
     (out / "preprocessor_config.json").write_text(json.dumps(TINY_IMAGE_PROCESSOR, indent=2) + "\n")
     (out / "video_preprocessor_config.json").write_text(json.dumps(TINY_VIDEO_PROCESSOR, indent=2) + "\n")
     if with_head:
-        _write_head(out, p["head"], seed)
+        write_head(out, p["head"], seed)
     (out / "RANDOM_WEIGHTS.json").write_text(json.dumps(
         {"warning": "RANDOM WEIGHTS - for testing the pipeline only", "preset": preset,
-         "seed": seed, "generator": "clef_gguf.convert.tiny.build_release"}, indent=2) + "\n")
+         "seed": seed, "generator": "clef_gguf.convert.synthetic.tiny.build_release"}, indent=2) + "\n")
     return out

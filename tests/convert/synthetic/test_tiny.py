@@ -12,7 +12,7 @@ import pytest
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from clef_gguf.convert.tiny import PLAIN_ADDED_TOKENS, PRESETS, SPECIAL_TOKENS, build_release
+from clef_gguf.convert.synthetic.tiny import PLAIN_ADDED_TOKENS, PRESETS, SPECIAL_TOKENS, build_release
 
 SAMPLES = [
     "Hello world",
@@ -106,7 +106,7 @@ def test_unknown_preset(tmp_path):
 
 def test_builder_does_not_need_transformers(tmp_path):
     code = ("import sys\nsys.modules['transformers'] = None  # any import of it would now fail\n"
-            "from clef_gguf.convert.tiny import build_release\n"
+            "from clef_gguf.convert.synthetic.tiny import build_release\n"
             f"build_release({str(tmp_path / 'r')!r}, preset='tiny', seed=3)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

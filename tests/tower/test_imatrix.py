@@ -17,7 +17,7 @@ import pytest
 from clef_gguf import Clef
 from clef_gguf.cli import main
 from clef_gguf.convert import imatrix as im
-from clef_gguf.convert import imatrix_collect as ic
+from clef_gguf.tower import imatrix as ic
 from clef_gguf.convert import quantize as qz
 from clef_gguf.convert.samples import SAMPLE_REQUESTS
 from clef_gguf.core import errors
@@ -193,7 +193,7 @@ def test_refusals_name_the_flag_and_the_line(tiny_model_dir, tiny_model_dir_fact
 def test_types_that_need_an_imatrix_take_ours(tmp_path, capsys):
     """Width 256: IQ2_M's IQ2_S tensors really need the matrix (refused without it, made with it)."""
     from clef_gguf.convert.release import convert_release
-    from clef_gguf.convert.tiny import build_release
+    from clef_gguf.convert.synthetic.tiny import build_release
 
     base = convert_release(build_release(tmp_path / "release", preset="tiny256"), tmp_path / "f32", outtype="f32")
     data = _records(tmp_path / "r.jsonl", SAMPLE_REQUESTS[:2])

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from clef_gguf.models import speed, speed_run
+from clef_gguf.pick import speed, speed_run
 from clef_gguf.tower import llama_tower
 
 

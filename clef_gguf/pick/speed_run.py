@@ -1,8 +1,8 @@
 """The speed probe's own process: for each quant, make its probe tower and time prefills through it.
 
-    python -m clef_gguf.models.speed_run SPEC.json
+    python -m clef_gguf.pick.speed_run SPEC.json
 
-``models/speed.py`` starts it (a ggml abort in one quant's quantizer must not take ``pick`` down)
+``clef_gguf/pick/speed.py`` starts it (a ggml abort in one quant's quantizer must not take ``pick`` down)
 and reads its standard output: one JSON object per line, ``{"quant": ..., ...}`` per quant as it is
 measured, and ``{"head_seconds": ...}`` once. The same llama.cpp build, context settings and thread
 count as the runtime's (``Tower.load``); the head is the PyTorch joint head at the family's shape.
@@ -126,7 +126,7 @@ def _time_picture(size: int, out_hidden: int, threads: int, workdir: Path) -> tu
     import PIL.Image
     import torch
 
-    from clef_gguf.convert.big import FLASH_PROCESSORS, FLASH_VISION
+    from clef_gguf.convert.synthetic.big import FLASH_PROCESSORS, FLASH_VISION
     from clef_gguf.media.config import load_processor_config
     from clef_gguf.media.placeholders import token_counts
     from clef_gguf.media.processor import preprocess_images

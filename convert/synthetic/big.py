@@ -1,6 +1,6 @@
 """A random Clef model at full size, written straight to GGUF by streaming tensors (not in CI).
 
-    python -m clef_gguf.convert.big OUT [--preset flash9b] [--outtype Q4_K_M] [--layers N]
+    python -m clef_gguf.convert.synthetic.big OUT [--preset flash9b] [--outtype Q4_K_M] [--layers N]
 
 ``flash9b`` has Clef-Flash's 9B shape (hidden 4096, 32 layers 3:1 linear/full, 16/4 attention
 heads of 256, feed-forward 12288, 16/32 linear key/value heads of 128, a 248,320-row vocab) and the
@@ -38,9 +38,10 @@ import numpy as np
 import torch
 
 from clef_gguf.formats import files
-from clef_gguf.convert import gguf_vocab, quantize, tiny
+from clef_gguf.convert import gguf_vocab, quantize
+from clef_gguf.convert.synthetic import tiny
 from clef_gguf.convert import tensor_map as tm
-from clef_gguf.convert.hf_to_gguf import SUPPORTED, _add_metadata, stream_gguf, text_dims
+from clef_gguf.convert.hf_to_gguf import SUPPORTED, add_metadata, stream_gguf, text_dims
 from clef_gguf.core.errors import ConversionError
 
 BIG_PRESETS: dict[str, dict] = {
@@ -161,7 +162,7 @@ def _payloads(items: list[_Item], d: tm.Dims, gen: torch.Generator):
             yield _RowBlocks(item, gen)
             continue
         # As build_release stores it (bf16), then as hf_to_gguf reads and edits it (f32).
-        values = tiny._init(item.shape, item.rule, gen).to(torch.bfloat16)
+        values = tiny.init_tensor(item.shape, item.rule, gen).to(torch.bfloat16)
         if item.gguf_name is None:
             continue  # drawn only to keep the generator in step with build_release
         yield _encode(tm.apply_edits(values.to(torch.float32), item.edits, d), item.stored[1])
@@ -186,12 +187,12 @@ def write_random_tower(path, *, preset: str = "flash9b", outtype: str = "bf16", 
     else:
         cleanup = None
     try:
-        vocab = gguf_vocab.read_vocab(Path(tokenizer_json), d.vocab, tiny._tokenizer_config(tok), text)
+        vocab = gguf_vocab.read_vocab(Path(tokenizer_json), d.vocab, tiny.tokenizer_config(tok), text)
     finally:
         if cleanup is not None:
             cleanup.unlink(missing_ok=True)
     writer = gguf.GGUFWriter(path=None, arch="qwen35")
-    _add_metadata(writer, text, d, outtype, name or f"clef-random-{preset}-seed{seed}")
+    add_metadata(writer, text, d, outtype, name or f"clef-random-{preset}-seed{seed}")
     gguf_vocab.add_to_writer(writer, vocab)
     written = [item for item in items if item.gguf_name is not None]
     for item in written:
@@ -212,8 +213,8 @@ def write_random_vision(out: Path, p: dict, seed: int = 0) -> dict[str, str]:
     from clef_gguf.vision import load as vision_load
 
     gen = torch.Generator().manual_seed(seed + 1)  # not the tower's stream: the tower stays as it was
-    tensors = {name.removeprefix("model.visual."): tiny._init(shape, rule, gen).to(torch.bfloat16)
-               for name, shape, rule in tiny._vision_tensors(p, FLASH_VISION)}
+    tensors = {name.removeprefix("model.visual."): tiny.init_tensor(shape, rule, gen).to(torch.bfloat16)
+               for name, shape, rule in tiny.vision_tensors(p, FLASH_VISION)}
     save_file(tensors, str(out / vision_load.VISION_WEIGHTS), metadata={"format": "pt"})
     config = {"model_type": "qwen3_5_vision", "hidden_act": "gelu_pytorch_tanh", "out_hidden_size": p["hidden"],
               "initializer_range": 0.02, **FLASH_VISION}
@@ -259,7 +260,7 @@ def build_random_model(out, *, preset: str = "flash9b", outtype: str = "Q4_K_M",
         tok = tiny.build_tokenizer(p["bpe_vocab"])
         tok.save(str(stage / files.TOKENIZER))
         t0 = time.perf_counter()
-        tiny._write_head(stage, p["head"], seed)
+        tiny.write_head(stage, p["head"], seed)
         timings["head_s"] = round(time.perf_counter() - t0, 1)
         vision_files: tuple[str, ...] = ()
         if vision:
@@ -283,7 +284,7 @@ def build_random_model(out, *, preset: str = "flash9b", outtype: str = "Q4_K_M",
             timings["quantize_s"] = quant["seconds"]
             written["quantization"] = {k: quant[k] for k in ("tensor_types", "output_weight")}
         source = {"random_weights": True, "preset": preset, "layers": p["layers"], "seed": seed,
-                  "generator": "clef_gguf.convert.big", "intermediate_bytes": written["bytes"]}
+                  "generator": "clef_gguf.convert.synthetic.big", "intermediate_bytes": written["bytes"]}
         files.write_manifest(stage, name, outtype,
                              {"tower": tower, "head_weights": files.HEAD_WEIGHTS,
                               "head_config": files.HEAD_CONFIG, "tokenizer": files.TOKENIZER},
@@ -296,7 +297,7 @@ def build_random_model(out, *, preset: str = "flash9b", outtype: str = "Q4_K_M",
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m clef_gguf.convert.big", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m clef_gguf.convert.synthetic.big", description=__doc__.split("\n\n")[0])
     ap.add_argument("out", help="output model directory (created if missing)")
     ap.add_argument("--preset", choices=list(presets()), default="flash9b",
                     help="shape (default flash9b: Clef-Flash's 9B tower and full-size head)")
@@ -309,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vision", action="store_true", help="also a random vision tower of Clef-Flash's shape "
                     "(27 blocks, width 1152; 0.9 GB bf16) and its processor files, for `bench --picture`")
     args = ap.parse_args(argv)
-    print(f"clef_gguf.convert.big: {RANDOM_WARNING}", file=sys.stderr)
+    print(f"clef_gguf.convert.synthetic.big: {RANDOM_WARNING}", file=sys.stderr)
     summary = build_random_model(args.out, preset=args.preset, outtype=args.outtype, seed=args.seed,
                                  layers=args.layers, threads=args.threads, vision=args.vision)
     print(json.dumps(summary, indent=2))

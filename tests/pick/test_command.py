@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from _gpus import H200, RTX5090, X86, box
-from clef_gguf.models import pick
+from machine_helpers import H200, RTX5090, X86, box
+from clef_gguf.pick import command as pick
 from clef_gguf.models.machine import GiB, DeviceProfile
 
 

@@ -6,12 +6,12 @@ chunks through llama.cpp's evaluation callback; it cannot feed a decision model 
 actually reads. :class:`Collector` does what ``tools/imatrix/imatrix.cpp`` ``collect_imatrix`` does,
 on the prompts the runtime decodes:
 
-* a context made with ``cb_eval`` (``tower.llama._Context``) shows the scheduler's every graph
+* a context made with ``cb_eval`` (``tower.llama.LlamaContext``) shows the scheduler's every graph
   tensor to :meth:`Collector._on_tensor`; it asks for the ``MUL_MAT`` nodes whose ``src0`` is a
   layer weight (``blk.*.weight``), then reads their ``src1`` (the matmul's input, one row per token)
   and adds its squares per input column, in float64, keyed by the weight's name, and the row count;
-* :func:`write` stores the sums and counts in llama-imatrix's GGUF format, byte-compatible with its
-  save code, which ``convert/imatrix.py`` and llama.cpp's own loader read.
+* ``convert/imatrix.py``'s ``write`` stores the sums and counts in llama-imatrix's GGUF format,
+  byte-compatible with its save code, which llama.cpp's own loader reads.
 
 Unlike imatrix.cpp, matmuls of fewer than 16 rows count: a prompt's last chunk is its own text, not
 a generation step. Left out, as imatrix.cpp leaves them out by default: ``output.weight`` (the runtime never multiplies
@@ -23,7 +23,6 @@ matrices (``*.weight.lora_a``) are not weights of the tower. Clef towers are den
 from __future__ import annotations
 
 import ctypes
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -33,15 +32,15 @@ import llama_cpp as ll
 import numpy as np
 from llama_cpp._ggml import libggml
 
-from clef_gguf.convert.hf_to_gguf import ARCH
 from clef_gguf.core.cpus import available_cpus
 from clef_gguf.core.errors import ConversionError, InferenceError
-from clef_gguf.tower.llama import _Adapter, _Context, _meta, _Model
+from clef_gguf.core.limits import DECODE_CHUNK
+from clef_gguf.formats.gguf import TOWER_ARCH
+from clef_gguf.tower.llama import LlamaAdapter, LlamaContext, LlamaModel
 from clef_gguf.tower.packing import chunks
 
 # llama_ftype of the towers llama.cpp quantizes from (and whose activations are the model's own).
 SOURCE_FTYPES = {0: "f32", 1: "f16", 32: "bf16"}
-DEFAULT_BATCH = 512  # tokens per llama_decode, the runtime's default chunk
 GGML_TYPE_F32 = 0
 GGML_MAX_DIMS, GGML_MAX_SRC, GGML_MAX_OP_PARAMS, GGML_MAX_NAME = 4, 10, 64, 64  # ggml.h
 
@@ -141,15 +140,15 @@ class Collector:
     statistics. Use as a context manager (it owns a llama.cpp model and context)."""
 
     def __init__(self, tower: str | Path, *, n_ctx: int, threads: int | None = None,
-                 n_batch: int = DEFAULT_BATCH):
+                 n_batch: int = DECODE_CHUNK):
         self._mul_mat = check_layout()
-        self._model = _Model(Path(tower), gpu_layers=0)  # host memory: the callback reads it there
-        self._ctx: _Context | None = None
-        self._adapter: _Adapter | None = None
+        self._model = LlamaModel(Path(tower), gpu_layers=0)  # host memory: the callback reads it there
+        self._ctx: LlamaContext | None = None
+        self._adapter: LlamaAdapter | None = None
         try:
-            arch = _meta(self._model.ptr, "general.architecture")
-            if arch != ARCH:
-                raise ConversionError(f"{Path(tower).name} is a {arch!r} GGUF, not a {ARCH} Clef tower",
+            arch = self._model.meta("general.architecture")
+            if arch != TOWER_ARCH:
+                raise ConversionError(f"{Path(tower).name} is a {arch!r} GGUF, not a {TOWER_ARCH} Clef tower",
                                       field="model")
             if self._model.ftype not in SOURCE_FTYPES:
                 raise ConversionError(
@@ -158,7 +157,7 @@ class Collector:
                     "that its statistics are the model's own; pass that model", field="model")
             # Kept on self: llama.cpp holds only the C pointer of the callback.
             self._callback = ll.ggml_backend_sched_eval_callback(self._on_tensor)
-            self._ctx = _Context(self._model, n_ctx, min(n_batch, n_ctx), threads or available_cpus(),
+            self._ctx = LlamaContext(self._model, n_ctx, min(n_batch, n_ctx), threads or available_cpus(),
                                  attention=self._model.attention(), eval_callback=self._callback)
         except BaseException:
             self.close()
@@ -187,7 +186,7 @@ class Collector:
 
     def use_adapter(self, path: str | Path, scale: float = 1.0) -> None:
         """Decode through this LoRA from now on: a fine-tune's activations, for its quant's imatrix."""
-        self._adapter = _Adapter(self._model, Path(path), scale)
+        self._adapter = LlamaAdapter(self._model, Path(path), scale)
 
     # ------------------------------------------------------------ the callback
     def _on_tensor(self, t: int, ask: bool, _user: Any) -> bool:
@@ -211,7 +210,7 @@ class Collector:
     def _accumulate(self, name: str, weight: GgmlTensor, src1_ptr: int) -> None:
         x = GgmlTensor.from_address(src1_ptr)
         if weight.ne[2] * weight.ne[3] != 1:
-            raise ConversionError(f"{name} is a 3-D weight: not a dense {ARCH} tower")
+            raise ConversionError(f"{name} is a 3-D weight: not a dense {TOWER_ARCH} tower")
         if x.type != GGML_TYPE_F32 or x.nb[0] != 4:
             raise ConversionError(f"the input of {name} is not contiguous float32 rows (ggml type {x.type})")
         if x.buffer and not _is_host(x.buffer):
@@ -267,32 +266,3 @@ class Collector:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()
-
-
-def write(path: str | Path, result: Collected, datasets: list[str]) -> Path:
-    """``result`` as llama-imatrix's GGUF (``IMatrixCollector::save_imatrix``): ``general.type``,
-    ``imatrix.datasets``, ``imatrix.chunk_count`` and ``imatrix.chunk_size``, no architecture; per
-    weight, in name order, F32 ``W.in_sum2`` [ne0, 1] (raw sums) and ``W.counts`` [1, 1]. Written
-    beside ``path`` and renamed, so a failure leaves no half file."""
-    import gguf
-
-    path = Path(path)
-    partial = path.with_name(path.name + ".partial")
-    w = gguf.GGUFWriter(partial, arch=ARCH)
-    w.kv_data[0].pop(gguf.Keys.General.ARCHITECTURE)  # the writer always adds one; llama.cpp's none
-    w.add_string(gguf.Keys.General.TYPE, "imatrix")
-    w.add_array("imatrix.datasets", datasets)
-    w.add_uint32("imatrix.chunk_count", result.prompts)
-    w.add_uint32("imatrix.chunk_size", result.chunk_size)
-    for name in sorted(result.sums):
-        w.add_tensor(f"{name}.in_sum2", result.sums[name].astype(np.float32).reshape(1, -1))
-        w.add_tensor(f"{name}.counts", np.full((1, 1), result.counts[name], dtype=np.float32))
-    try:
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)
-    return path

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from clef_gguf.core import errors
-from clef_gguf.models import evidence
+from clef_gguf.pick import evidence
 from clef_gguf.models.placement import Candidate, Recommendation
 
 
@@ -96,8 +96,8 @@ def test_min_agreement_flag_type():
 def test_pick_eval_on_the_command_line(monkeypatch, tmp_path, capsys):
     import argparse
 
-    from _gpus import box
-    from clef_gguf.models import pick
+    from machine_helpers import box
+    from clef_gguf.pick import command as pick
 
     monkeypatch.setattr(pick, "probe", lambda **_: box(ram=64))
     (tmp_path / "summary.json").write_text(json.dumps({"models": [
