@@ -14,13 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from clef_gguf.core.argtypes import positive_int
 from clef_gguf.core import errors
 from clef_gguf.formats import files
-from clef_gguf.convert import keep_layers, lora, quantize
+from clef_gguf.convert import keep_layers, lora, nvfp4_gguf, quantize
 from clef_gguf.convert.synthetic.finetune_demo import build_finetune_checkpoint
 from clef_gguf.convert.release import convert_release, tower_name
 from clef_gguf.convert.synthetic.tiny import PRESETS, build_release
@@ -31,7 +32,10 @@ OUTTYPE_HELP = ("f32 (default), f16, bf16, q8_0 (written directly; norms and 1-D
                 "a quant made by llama.cpp's quantizer, any case: "
                 + ", ".join(t for t in quantize.PUBLISHED if t not in ("BF16", "Q8_0"))
                 + "; or nvfp4a16 (FP4 weights) / nvfp4 (FP4 weights and activations, calibrated "
-                "on built-in prompts): a compressed-tensors checkpoint for `--backend nvfp4`")
+                "on built-in prompts): a compressed-tensors checkpoint for `--backend nvfp4`; or "
+                "nvfp4-gguf: a tower GGUF whose projections are llama.cpp NVFP4 tensors (a release is "
+                "quantized to NVFP4A16 and re-encoded; an NVFP4/NVFP4A16 checkpoint as SRC is re-encoded, "
+                "bit for bit, and is recognised without the flag)")
 NVFP4_SCHEMES = ("nvfp4a16", "nvfp4")
 # Where `demo --finetune` puts the random checkpoint and its conversion, inside OUT.
 DEMO_CHECKPOINT = "finetune-checkpoint"
@@ -40,10 +44,11 @@ DEMO_FINETUNE = "finetune"
 
 def add_convert_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", help="Hugging Face release directory (config.json, model*.safetensors, "
-                   "tokenizer.json, joint_head.safetensors, joint_head_config.json), or a converted "
-                   "f32/f16/bf16 model directory to quantize")
+                   "tokenizer.json, joint_head.safetensors, joint_head_config.json), a converted "
+                   "f32/f16/bf16 model directory to quantize, or a compressed-tensors NVFP4 checkpoint "
+                   "(to nvfp4-gguf)")
     p.add_argument("out", help="output model directory (created if missing)")
-    p.add_argument("--outtype", default="f32", metavar="TYPE", help=OUTTYPE_HELP)
+    p.add_argument("--outtype", metavar="TYPE", help=OUTTYPE_HELP)
     p.add_argument("--name", help="model name in the GGUF and the manifest (default: SRC's name)")
     g = p.add_argument_group("llama.cpp quantizer (quant types only)")
     g.add_argument("--imatrix", metavar="FILE|uniform",
@@ -68,10 +73,17 @@ def _summary(out: Path, outtype: str, seconds: float, **extra) -> str:
 
 def run_convert(args: argparse.Namespace) -> int:
     start = time.perf_counter()
-    if args.outtype.strip().lower() in NVFP4_SCHEMES:
-        return _run_nvfp4(args, start)
-    outtype = quantize.canonical_outtype(args.outtype)
     src = Path(args.src)
+    asked = (args.outtype or "").strip().lower()
+    if asked == nvfp4_gguf.OUTTYPE or (not asked and nvfp4_gguf.is_checkpoint(src)):
+        return _run_nvfp4_gguf(args, src, start)
+    if nvfp4_gguf.is_checkpoint(src):
+        raise errors.ConversionError(f"{src} is an NVFP4 checkpoint: it converts to {nvfp4_gguf.OUTTYPE} "
+                                     f"(re-encoded, not --outtype {args.outtype}); convert its release for "
+                                     "other types", field="outtype")
+    if asked in NVFP4_SCHEMES:
+        return _run_nvfp4(args, start)
+    outtype = quantize.canonical_outtype(args.outtype or "f32")
     options = {"imatrix": args.imatrix, "output_type": args.output_type,
                "token_embedding_type": args.token_embedding_type, "threads": args.threads,
                "keep_layers": keep_layers.resolve(args.keep_layers, outtype, src)}  # before any work
@@ -85,16 +97,41 @@ def run_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_nvfp4(args: argparse.Namespace, start: float) -> int:
-    from clef_gguf.convert.nvfp4 import quantize_release  # torch + compressed-tensors: only here
-
-    scheme = args.outtype.strip().lower()
+def _no_quantizer_flags(args: argparse.Namespace, outtype: str) -> None:
     given = [flag for flag, value in (("--imatrix", args.imatrix), ("--output-type", args.output_type),
                                       ("--token-embedding-type", args.token_embedding_type),
                                       ("--threads", args.threads),
                                       ("--keep-layers", args.keep_layers)) if value is not None]
     if given:
-        raise errors.ConversionError(f"{', '.join(given)} apply to llama.cpp quant types, not to {scheme}")
+        raise errors.ConversionError(f"{', '.join(given)} apply to llama.cpp quant types, not to {outtype}")
+
+
+def _run_nvfp4_gguf(args: argparse.Namespace, src: Path, start: float) -> int:
+    """A checkpoint re-encoded; a release quantized to NVFP4A16 first (in a scratch directory beside OUT)."""
+    _no_quantizer_flags(args, nvfp4_gguf.OUTTYPE)
+    out = Path(args.out)
+    if (src / files.MANIFEST).is_file() and not nvfp4_gguf.is_checkpoint(src):
+        raise errors.ConversionError(f"{src} is a converted model directory: {nvfp4_gguf.OUTTYPE} is made from a "
+                                     "release or an NVFP4 checkpoint", field="src")
+    if nvfp4_gguf.is_checkpoint(src):
+        nvfp4_gguf.convert_checkpoint(src, out, name=args.name)
+    else:
+        from clef_gguf.convert.nvfp4 import quantize_release  # torch + compressed-tensors: only here
+
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=".clef-gguf-nvfp4-", dir=out.parent) as tmp:
+            checkpoint = quantize_release(src, Path(tmp) / "checkpoint", scheme="nvfp4a16", name=args.name)
+            nvfp4_gguf.convert_checkpoint(checkpoint, out, name=args.name or src.resolve().name)
+    scheme = (files.read_manifest(out).get("source") or {}).get("scheme")
+    print(_summary(out, nvfp4_gguf.OUTTYPE, time.perf_counter() - start, scheme=scheme))
+    return 0
+
+
+def _run_nvfp4(args: argparse.Namespace, start: float) -> int:
+    from clef_gguf.convert.nvfp4 import quantize_release  # torch + compressed-tensors: only here
+
+    scheme = args.outtype.strip().lower()
+    _no_quantizer_flags(args, scheme)
     out = quantize_release(args.src, args.out, scheme=scheme, name=args.name)
     print(json.dumps({"model_dir": str(out), "tower": str(out / files.CHECKPOINT_CONFIG),
                       "outtype": scheme, "backend": "nvfp4",

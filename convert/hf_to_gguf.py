@@ -126,12 +126,14 @@ def text_dims(text: dict, tied: bool) -> tm.Dims:
     return d
 
 
-def add_metadata(w: gguf.GGUFWriter, text: dict, d: tm.Dims, outtype: str, name: str) -> None:
+def add_metadata(w: gguf.GGUFWriter, text: dict, d: tm.Dims, outtype: str, name: str,
+                 file_type: int | None = None) -> None:
+    """The header's keys; ``file_type``: llama.cpp's name for the whole file when it is not ``outtype``'s."""
     theta, n_rot, sections = rope_settings(text)
     k = lambda key: f"{TOWER_ARCH}.{key}"  # noqa: E731
     w.add_string("general.type", "model")
     w.add_string("general.name", name)
-    w.add_uint32("general.file_type", int(tm.OUTTYPES[outtype][1]))
+    w.add_uint32("general.file_type", int(tm.OUTTYPES[outtype][1]) if file_type is None else file_type)
     w.add_uint32("general.quantization_version", gguf.GGML_QUANT_VERSION)
     w.add_uint32(k("context_length"), int(text.get("max_position_embeddings", 262144)))
     w.add_uint32(k("embedding_length"), d.hidden)

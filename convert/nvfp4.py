@@ -70,10 +70,21 @@ def _missing(what: str, install: str) -> errors.MissingDependency:
     return errors.MissingDependency(f"{what}: pip install {install}")
 
 
+def _target_pattern(prefix: str) -> re.Pattern[str]:
+    parts = "|".join(re.escape(part) for part in _GROUP_OF)
+    return re.compile(rf"^({re.escape(prefix)}layers\.\d+\.)({parts})\.weight$")
+
+
+def is_target(name: str, prefix: str) -> bool:
+    """Whether the checkpoint tensor ``name`` is a weight this conversion quantizes (``prefix``: the text
+    model's, ``hf_to_gguf.SUPPORTED``): the speed probe plans the same tensors NVFP4
+    (``convert.probe_tower.nvfp4_retyped``)."""
+    return _target_pattern(prefix).match(name) is not None
+
+
 def find_targets(found: dict, prefix: str) -> dict[str, Target]:
     """checkpoint name of each weight to quantize -> its Target; shapes checked."""
-    parts = "|".join(re.escape(part) for part in _GROUP_OF)
-    pattern = re.compile(rf"^({re.escape(prefix)}layers\.\d+\.)({parts})\.weight$")
+    pattern = _target_pattern(prefix)
     targets = {}
     for name, (_, shape, dtype) in found.items():
         match = pattern.match(name)

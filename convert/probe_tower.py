@@ -10,6 +10,8 @@ values, so the probe runs a small file whose layers cost what the real file's la
    hyper-parameters, never from its row count (``llama_tensor_get_type`` in llama-quant.cpp), so
    the quantizer's dry run on the skeleton names every tensor's type in the published file, in
    milliseconds; ``retyped`` gives each tensor that type (zeros: the values do not matter to time).
+   An NVFP4 checkpoint's GGUF is no quantizer's mix: ``nvfp4_retyped`` gives NVFP4 to the projections
+   the checkpoint quantizes, with their second scales.
 2. ``choose_layers``: which of the model's layers the probe's few layers copy. The mixes give some
    layers more bits (``use_more_bits``: Q4_K_M keeps half the ``ffn_down`` in Q6_K); the chosen ones
    hold, role by role, the bytes closest to the model's average layer of their kind.
@@ -30,11 +32,11 @@ import gguf
 import numpy as np
 import torch
 
-from clef_gguf.convert import gguf_vocab, quantize
+from clef_gguf.convert import gguf_vocab, nvfp4, quantize
 from clef_gguf.convert.synthetic import tiny
 from clef_gguf.convert import tensor_map as tm
 from clef_gguf.convert.synthetic.big import plan, preset_config
-from clef_gguf.convert.hf_to_gguf import add_metadata, stream_gguf, whole_gguf
+from clef_gguf.convert.hf_to_gguf import SUPPORTED, add_metadata, stream_gguf, whole_gguf
 from clef_gguf.core.errors import ConversionError
 from clef_gguf.formats.gguf import ensure_gguf_types
 
@@ -42,6 +44,10 @@ from clef_gguf.formats.gguf import ensure_gguf_types
 # layers, and the runtime never multiplies by the output matrix (it reads hidden states).
 PROBE_VOCAB = 1024
 SEED = 0
+# An NVFP4 checkpoint re-encoded as a GGUF (``convert.nvfp4_gguf``), as ``pick`` names it -> whether its
+# activations are 4-bit (W4A4: untagged; W4A16 tags its NVFP4 tensors to keep 8-bit activations).
+NVFP4_GGUF = {"NVFP4A16-GGUF": False, "NVFP4-GGUF": True}
+SECOND_SCALE = ".scale"  # llama.cpp's per-tensor second scale of an NVFP4 weight, F32 [1]
 # Rows of each block matrix in the skeleton: two, because ggml counts a one-row matrix as 1-D and
 # llama.cpp leaves 1-D tensors unquantized.
 SKELETON_ROWS = 2
@@ -186,6 +192,24 @@ def retyped(skeleton: dict[str, StoredTensor], planned: dict[str, str]) -> dict[
     return out
 
 
+def nvfp4_retyped(skeleton: dict[str, StoredTensor], preset: str) -> dict[str, StoredTensor]:
+    """The skeleton as an NVFP4 checkpoint's GGUF holds it: every projection the checkpoint quantizes
+    (``convert.nvfp4.is_target``) an NVFP4 tensor of zeros with its second scale (1.0) beside it, the rest
+    as the bf16 skeleton has it (the checkpoint keeps embeddings, the GDN gates' small projections and
+    the norms in bf16 or f32). No quantizer runs: ``convert.nvfp4_gguf`` re-encodes, it never chooses."""
+    p = probe_preset(preset)
+    prefix = SUPPORTED["Qwen3_5ForConditionalGeneration"][1]
+    _, _, items = plan(p, "bf16", _tokenizer(p["bpe_vocab"]))
+    planned = {it.gguf_name: "NVFP4" for it in items if it.gguf_name and nvfp4.is_target(it.hf_name, prefix)}
+    if not planned:
+        raise ConversionError(f"preset {preset}: no projection an NVFP4 checkpoint quantizes")
+    out = retyped(skeleton, planned)
+    one = np.array([1.0], np.float32).view(np.uint8).reshape(1, 4)
+    for name in planned:
+        out[name.removesuffix(".weight") + SECOND_SCALE] = StoredTensor(gguf.GGMLQuantizationType.F32, one, (1,))
+    return out
+
+
 def _layer_kinds(p: dict) -> list[str]:
     return ["full" if (i + 1) % p["interval"] == 0 else "linear" for i in range(p["layers"])]
 
@@ -235,28 +259,43 @@ def choose_layers(stored: dict[str, StoredTensor], preset: str, probe_layers: in
 
 
 def write_probe(path: Path, stored: dict[str, StoredTensor], preset: str, sources: list[int],
-                workdir: Path) -> dict:
+                workdir: Path, *, nvfp4_a16: bool = False) -> dict:
     """The probe GGUF: ``len(sources)`` layers of ``preset`` at full shape, layer ``i`` in the types
-    (and the quantized rows, repeated) of the skeleton's layer ``sources[i]``; returns its summary."""
+    (and the quantized rows, repeated) of the skeleton's layer ``sources[i]``, an NVFP4 tensor's second
+    scale beside it; ``nvfp4_a16``: its NVFP4 tensors tagged for 8-bit activations, as a W4A16
+    checkpoint's GGUF tags them (``convert.nvfp4_gguf``). Returns its summary."""
     p = probe_preset(preset, len(sources))
     tok = _tokenizer(p["bpe_vocab"])
     tokenizer_json = workdir / "probe-tokenizer.json"
     tok.save(str(tokenizer_json))
     writer, _, items = _metadata_writer(p, tok, tokenizer_json, f"clef-speed-probe-{preset}")
-    parts = []  # (rows, count): tiled to ``count`` rows only as the file is written
-    for item in items:
-        name = item.gguf_name
+
+    def source(name: str) -> StoredTensor | None:
         if name.startswith("blk."):
             _, layer, role = name.split(".", 2)
-            src = stored.get(f"blk.{sources[int(layer)]}.{role}")
-        else:
-            src = stored.get(name)
+            return stored.get(f"blk.{sources[int(layer)]}.{role}")
+        return stored.get(name)
+
+    tensors = []  # (name, source, rows it gets)
+    for item in items:
+        name = item.gguf_name
+        src = source(name)
         if src is None:
             raise ConversionError(f"the quantized skeleton has no tensor for {name}")
         shape = tm.output_shape(item.shape, item.edits)
-        if _cut(name, shape):
-            parts.append((src.rows, shape[0]))
-            dims = [shape[0], src.row_bytes]
+        tensors.append((name, src, shape[0] if _cut(name, shape) else None))
+        scale = source(name.removesuffix(".weight") + SECOND_SCALE)
+        if scale is not None and src.qtype == gguf.GGMLQuantizationType.NVFP4:
+            tensors.append((name.removesuffix(".weight") + SECOND_SCALE, scale, None))
+    fp4 = [name for name, src, _ in tensors if src.qtype == gguf.GGMLQuantizationType.NVFP4]
+    if nvfp4_a16 and fp4:
+        writer.add_array("general.tensor_extra.name", fp4)
+        writer.add_array("general.tensor_extra.prec_a4", [False] * len(fp4))
+    parts = []  # (rows, count): tiled to ``count`` rows only as the file is written
+    for name, src, rows in tensors:
+        if rows is not None:
+            parts.append((src.rows, rows))
+            dims = [rows, src.row_bytes]
         else:
             parts.append((src.rows, len(src.rows)))
             dims = [*src.dims[:-1], src.row_bytes]

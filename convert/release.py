@@ -49,7 +49,8 @@ def write_quantized_tower(src, dst, outtype: str, *, name: str, **options) -> di
     return summary
 
 
-def _copy(src: Path, dst: Path) -> None:
+def copy_file(src: Path, dst: Path) -> None:
+    """``src`` to ``dst`` (a missing one names ``src``); nothing when they are the same file."""
     if not src.is_file():
         raise ModelNotFound(f"{src.name} not found in {src.parent}", field="src")
     if src.resolve() != dst.resolve():
@@ -106,10 +107,10 @@ def convert_release(src, out, *, outtype: str = "f32", name: str | None = None, 
             summary = write_quantized_tower(src, stage / tower, outtype, name=name, keep_layers=keep,
                                             **quant_options)
         for fname in (files.HEAD_WEIGHTS, files.HEAD_CONFIG, files.TOKENIZER):
-            _copy(src / fname, stage / fname)
+            copy_file(src / fname, stage / fname)
         for fname in PROCESSOR_FILES:  # the image and video processors' settings, where the release has them
             if (src / fname).is_file():
-                _copy(src / fname, stage / fname)
+                copy_file(src / fname, stage / fname)
         vision = write_vision(src, stage)  # None for a text-only release
         source = {"path": str(src.resolve()), **summary,
                   "random_weights": (src / "RANDOM_WEIGHTS.json").is_file()}

@@ -29,6 +29,7 @@ CATALOG_PATH = Path(__file__).with_name("catalog.json")
 # Lets a test (or a user with a private mirror) swap the whole catalog without editing package data.
 CATALOG_ENV = "CLEF_GGUF_CATALOG"
 AUTO = "auto"
+GGUF_SUFFIX = "-GGUF"  # clef-flash:nvfp4a16-gguf: a checkpoint re-encoded as an NVFP4 GGUF (models/nvfp4_gguf.py)
 ROLES = ("tower", "head", "native", "nvfp4")
 HEAD_KEYS = ("head_weights", "head_config", "tokenizer")
 
@@ -101,8 +102,8 @@ class Source:
 
     @property
     def quants(self) -> tuple[str, ...]:
-        if self.checkpoint is not None:
-            return (self.checkpoint.quant,)
+        if self.checkpoint is not None:  # the checkpoint, and its re-encoding as an NVFP4 GGUF
+            return (self.checkpoint.quant, self.checkpoint.quant + GGUF_SUFFIX)
         return tuple(self.files) if self.role in ("tower", "native") else ()
 
     def entry(self, key: str) -> FileEntry:

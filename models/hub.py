@@ -14,13 +14,14 @@ from typing import Any
 
 from clef_gguf.core.errors import ModelNotFound, NoQuantFits
 from clef_gguf.formats.files import ModelFiles
-from clef_gguf.models.catalog import HEAD_KEYS, Catalog, Family, ModelRef, load_catalog
+from clef_gguf.models.catalog import GGUF_SUFFIX, HEAD_KEYS, Catalog, Family, ModelRef, load_catalog
 from clef_gguf.models.checkpoint import materialize_checkpoint
 from clef_gguf.models.download import commit_of, fetch
 from clef_gguf.models.hfcache import cache_dir, offline
 from clef_gguf.models.listing import list_local
 from clef_gguf.models.machine import DeviceProfile, probe
 from clef_gguf.models.native import materialize_native
+from clef_gguf.models.nvfp4_gguf import materialize_nvfp4_gguf
 from clef_gguf.models.placement import DEFAULT_CONTEXT, Recommendation, recommend
 from clef_gguf.models.vision import vision_part
 
@@ -50,7 +51,10 @@ def _materialize(ref: ModelRef, family: Family, *, local_only: bool, progress: b
     if src.role == "native":
         return materialize_native(src, ref.quant, **how)
     if src.checkpoint is not None:
-        return materialize_checkpoint(src, family, **how)
+        checkpoint = materialize_checkpoint(src, family, **how)
+        if ref.quant.endswith(GGUF_SUFFIX):  # clef-flash:nvfp4a16-gguf: re-encoded once, then cached
+            return materialize_nvfp4_gguf(src, checkpoint, ref.quant, name=name)
+        return checkpoint
     if src.role != "tower":
         raise ModelNotFound(f"{src.repo} is a {src.role} checkpoint, not a GGUF this runtime loads", field="model")
     head = family.head_source

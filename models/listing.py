@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from clef_gguf.formats.files import CHECKPOINT_CONFIG
-from clef_gguf.models.catalog import Catalog, Family, Source, load_catalog
+from clef_gguf.models.catalog import GGUF_SUFFIX, Catalog, Family, Source, load_catalog
 from clef_gguf.models.checkpoint import checkpoint_ready
 from clef_gguf.models.hfcache import SHA256_RE, cache_dir, split_dir, stamp
 from clef_gguf.models.native import split_is_current
@@ -133,7 +133,8 @@ def available(cat: Catalog) -> list[dict[str, Any]]:
                 known = src.checkpoint.known_size() if src.checkpoint else family.tower_size(quant, src.alias)
                 size, basis = known or (None, "unknown")
                 rows.append({"name": f"{family.name}:{quant}@{src.alias}", "family": family.name,
-                             "quant": quant, "source": src.alias, "role": src.role, "backend": src.backend,
+                             "quant": quant, "source": src.alias, "role": src.role,
+                             "backend": "gguf" if quant.endswith(GGUF_SUFFIX) else src.backend,
                              "repo": src.repo, "revision": revision, "pinned_by": by,
                              "default": defaults.get(quant) == src.alias,
                              "size_bytes": size, "size_basis": basis, "_order": order})

@@ -8,6 +8,7 @@ tokenizer.json rebuilt from the GGUF's vocabulary), once per cached blob.
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from filelock import FileLock, Timeout
@@ -39,12 +40,13 @@ def materialize_native(src: Source, quant: str, *, name: str, local_only: bool, 
 
 
 def split_is_current(out: Path, blob: Path) -> bool:
-    """True if ``out`` is a complete split of this very blob, unchanged since."""
+    """True if ``out`` is a complete conversion of this very ``blob`` (a file or a snapshot directory),
+    unchanged since."""
     try:
         manifest = read_manifest(out)
         made_ns = (out / MANIFEST).stat().st_mtime_ns
-        # The blob's path names its content (the HF cache names blobs by hash); a blob rewritten
-        # after the split (a re-download) is newer than the manifest written at the split's end.
+        # The blob's path names its content (the HF cache names blobs by hash, snapshots by commit); a
+        # blob rewritten after the conversion (a re-download) is newer than the manifest written at its end.
         return ((manifest.get("source") or {}).get("path") == str(blob)
                 and blob.stat().st_mtime_ns <= made_ns
                 and all((out / manifest[role]).is_file() for role in ROLES))
@@ -52,29 +54,38 @@ def split_is_current(out: Path, blob: Path) -> bool:
         return False
 
 
-def _split_once(native: Path, out: Path, name: str, label: str) -> ModelFiles:
-    # Under a lock: two processes resolving the same model must not both copy a 6 GB tower. The
-    # split stages beside ``out`` and renames it into place, so ``out`` is complete or absent.
-    blob = native.resolve()
+def converted_once(blob: Path, out: Path, convert: Callable[[Path], object], label: str, *,
+                   verb: str = "convert") -> ModelFiles:
+    """``out``, a model directory that ``convert(out)`` makes from ``blob`` (the manifest's source path),
+    made once: under a lock, so two processes resolving the same model do not both convert GBs, and
+    staged beside ``out`` by the converter (``files.staged_directory``), so ``out`` is complete or absent;
+    made again when ``blob`` changed."""
     lock = out.parent / f".{out.name}.lock"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(str(lock), timeout=SPLIT_LOCK_TIMEOUT_S):
             if not split_is_current(out, blob):
                 shutil.rmtree(out, ignore_errors=True)  # made from another blob, or incomplete
-                # A killed split leaves its stage; holding the lock, nobody else is using one.
-                for stage in out.parent.glob(f".{out.name}.split-*"):
-                    shutil.rmtree(stage, ignore_errors=True)
-                from clef_gguf.convert.split import split_native  # torch + gguf: only to split
-
+                # A killed conversion leaves its stage; holding the lock, nobody else is using one.
+                for stage in out.parent.glob(f".{out.name}.*"):
+                    if stage != lock:
+                        shutil.rmtree(stage, ignore_errors=True)
                 try:
-                    split_native(native, out, name=name)
+                    convert(out)
                 except ConversionError as exc:
-                    raise ConversionError(f"cannot split the native GGUF {label}: {exc.message}",
-                                          field="model") from None
+                    raise ConversionError(f"cannot {verb} {label}: {exc.message}", field="model") from None
             return from_directory(out)
     except Timeout:
         raise ModelLoadError(f"{lock} stayed locked for {SPLIT_LOCK_TIMEOUT_S} s (another process "
-                             "splitting the same file?)", field="model") from None
+                             "working on the same file?)", field="model") from None
     except OSError as exc:
-        raise ModelLoadError(f"cannot split {label} into {out}: {exc}", field="model") from None
+        raise ModelLoadError(f"cannot {verb} {label} into {out}: {exc}", field="model") from None
+
+
+def _split_once(native: Path, out: Path, name: str, label: str) -> ModelFiles:
+    def split(dst: Path) -> None:
+        from clef_gguf.convert.split import split_native  # torch + gguf: only to split
+
+        split_native(native, dst, name=name)
+
+    return converted_once(native.resolve(), out, split, f"the native GGUF {label}", verb="split")

@@ -25,7 +25,7 @@ from typing import Any
 
 from clef_gguf.core.errors import NoQuantFits
 from clef_gguf.core.limits import CONTEXT_WINDOW
-from clef_gguf.models.catalog import Catalog, Family, load_catalog
+from clef_gguf.models.catalog import GGUF_SUFFIX, Catalog, Family, load_catalog
 from clef_gguf.models.machine import GPU, DeviceProfile, GiB, MiB, native_fp4
 
 DEFAULT_CONTEXT = CONTEXT_WINDOW
@@ -73,6 +73,9 @@ class CheckpointCandidate:
     fits: bool
     suitable: bool  # a CUDA GPU runs it and it fits: worth pulling by name
     reason: str
+    # The same checkpoint re-encoded as an NVFP4 GGUF (``FAMILY:QUANT-GGUF``): llama.cpp on any device,
+    # budgeted as a GGUF quant of its size; by name only too
+    gguf: Candidate | None = None
 
 
 @dataclass(frozen=True)
@@ -105,7 +108,7 @@ class Recommendation:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["ok"], d["name"] = self.ok, self.name
-        for c in d["candidates"]:
+        for c in [*d["candidates"], *(n["gguf"] for n in d["nvfp4"] if n["gguf"])]:
             c["fits"] = c["fits_cpu"] or c["fits_gpu"]
         return d
 
@@ -259,11 +262,12 @@ def checkpoint_candidates(profile: DeviceProfile, family: Family, *, context_tok
                           sequences: int = 1) -> tuple[CheckpointCandidate, ...]:
     """Each NVFP4 checkpoint of ``family`` on ``profile``: its mode, memory need, and whether it fits.
 
-    Device memory: the packed FP4 layers and the bf16 embeddings as they are stored (the backend never
-    makes a dense copy of the model), one dense layer at a time where it dequantizes, plus head, KV,
-    recurrent state and compute; the host keeps the lexical rows and the Python runtime. Without a
-    CUDA GPU none is suitable: the CPU fallback dequantizes every layer at every call, far slower
-    than a GGUF quant of the same size."""
+    Device memory: the packed FP4 layers and the bf16 embeddings as they are stored, one dense layer at
+    a time where it dequantizes (the small-memory mode: the budget assumes no dense copy of the model),
+    plus head, KV, recurrent state and compute; the host keeps the lexical rows and the Python runtime.
+    Without a CUDA GPU none is suitable: the PyTorch fallback on the CPU is far slower than a GGUF quant
+    of the same size. Each also has its NVFP4 GGUF (``gguf``): the same codes and scales through
+    llama.cpp, budgeted as a GGUF quant of its file (packed layers, bf16 embeddings and output matrix)."""
     mem = family.memory
     ctx = f"{context_tokens:,} tokens of context"
     state = mem.kv_bytes_per_token * context_tokens + mem.recurrent_bytes_per_sequence * sequences
@@ -272,20 +276,32 @@ def checkpoint_candidates(profile: DeviceProfile, family: Family, *, context_tok
     host = host_budget(profile)
     # PyTorch uses the GPU whatever llama.cpp's build can do; Apple's unified-memory GPU is not CUDA.
     gpus = () if profile.unified_memory else profile.gpus
+    _, gpu_budget = _gpu_budget(profile)
     out = []
     for src, ck in family.checkpoints:
         size, basis = ck.known_size() or (None, None)
         name = f"{family.name}:{ck.quant}"
-        common: dict[str, Any] = dict(name=name, quant=ck.quant, source=src.alias, repo=src.repo, size_bytes=size,
-                      size_basis=basis)
         stored = ck.quantized_weights_bytes + ck.bf16_weights_bytes
+        # The NVFP4 GGUF holds the packed layers and, in bf16, the embeddings and the output matrix (the
+        # lexical rows' source, same shape): as any tower file, all of it budgeted resident.
+        file_bytes = ck.quantized_weights_bytes + 2 * ck.bf16_weights_bytes
+        tower = int(file_bytes * SIZE_MARGIN["estimate"])
+        device_side = state + mem.compute_bytes
+        host_gguf = mem.head_bytes + mem.lexical_rows_bytes + mem.runtime_bytes
+        fits_cpu, fits_gpu = _fits(profile, tower, device_side, host_gguf, gpu_budget)
+        common: dict[str, Any] = dict(
+            name=name, quant=ck.quant, source=src.alias, repo=src.repo, size_bytes=size, size_basis=basis,
+            gguf=Candidate(ck.quant + GGUF_SUFFIX, src.alias, file_bytes, "estimate",
+                           tower + device_side + host_gguf, fits_cpu, fits_gpu))
         if not gpus:
             need = stored + ck.dequant_scratch_bytes + extras + host_side
             out.append(CheckpointCandidate(
                 **common, mode="cpu", gpu=None, need_bytes=need, budget_bytes=host, fits=need <= host,
                 suitable=False, reason=(f"{name} ({ck.scheme}) is not suitable here: no CUDA GPU, so the nvfp4 "
                                         "backend would run its dequantizing fallback on the CPU (slow; "
-                                        f"{gib(need)} of RAM at {ctx}); use a GGUF quant.")))
+                                        f"{gib(need)} of RAM at {ctx}); use a GGUF quant, or "
+                                        f"{family.name}:{(ck.quant + GGUF_SUFFIX).lower()} (this checkpoint "
+                                        "through llama.cpp).")))
             continue
         options = []
         for gpu in gpus:

@@ -1,31 +1,42 @@
 #!/usr/bin/env bash
-# GPU check, for the times a CUDA machine is lent (under 5 minutes on 16 cores before the speed part,
-# which first builds a ~6 GB random 9B-shaped model: not yet run on a GPU, its time unmeasured):
-# builds llama-cpp-python with CUDA in a scratch venv, then runs scripts/gpu_check.py, which
-# decides on the tiny demo model on the GPU and on the CPU and reports max |dp| between them, and
-# pick's speed probe on the GPU against a measured decision of a random 9B-shaped model (--speed);
-# then the nvfp4 backend: its tests, and scripts/gpu_check_nvfp4.py (kernel in use, GPU vs CPU
-# agreement, latency of a tiny and a 0.8B-shaped NVFP4 model). GPU_CHECK_SKIP_GGUF=1 runs only
-# the nvfp4 part (no CUDA build of llama.cpp: a few minutes less).
-# Usage: bash scripts/gpu-check.sh   (CUDA toolkit + driver present; CUDA_ARCH defaults to 90, Hopper)
+# The GPU check, for a lent GPU machine that reaches no package registry (15 minutes, start-up included).
+#   bash scripts/gpu-check.sh BUNDLE [--deadline S] [--rows a,b] [--report FILE]
+#       installs BUNDLE (scripts/gpu-bundle.sh made it here: llama-cpp-python built for CUDA, the wheels the
+#       GPU image lacks, this project's wheel) into a site folder, then runs scripts/gpu_check.py: one JSON
+#       report, rows in priority order, each written as soon as measured, the rest `skipped` at the deadline
+#       (default 480 s). Exit 1 when a row failed.
+#   bash scripts/gpu-check.sh --dry-run [--report FILE]
+#       every row's code on this CPU at the tiny shapes, with the installed package (the test suite runs it).
+#   bash scripts/gpu-check.sh --install-only BUNDLE
+#       only the install step; prints the site folder (tests check it against a local bundle).
+# The report goes to $OUT/gpu-check-report.json where the device tool gives an $OUT, else the current folder.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-venv="${GPU_CHECK_VENV:-/tmp/clef-gguf-gpu-venv}"
-python3 -m venv "$venv"
-. "$venv/bin/activate"
-# A CUDA torch: the nvfp4 backend runs on it (the GGUF path's head runs on the CPU either way).
-pip install --quiet "torch==2.13.0" --index-url "${TORCH_INDEX:-https://download.pytorch.org/whl/cu130}" \
-  || pip install --quiet torch==2.13.0
-if [ "${GPU_CHECK_SKIP_GGUF:-0}" != 1 ]; then
-  CMAKE_ARGS="-DGGML_CUDA=on -DLLAVA_BUILD=OFF -DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCH:-90}" \
-    CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
-    pip install --quiet --no-cache-dir "llama-cpp-python==0.3.36"
+root="$(cd "$(dirname "$0")/.." && pwd)"
+report="${OUT:-$PWD}/gpu-check-report.json"
+install_only=0
+args=()
+if [ "${1:-}" = "--install-only" ]; then install_only=1; shift; fi
+if [ "${1:-}" != "--dry-run" ] && [ $# -ge 1 ] && [ -d "$1" ]; then
+  bundle="$(cd "$1" && pwd)"; shift
+  site="${CLEF_GPU_SITE:-/tmp/clef-gguf-site}"
+  mkdir -p "$site"
+  # No index, no dependencies: what the bundle holds, beside what the GPU image has (torch, numpy...).
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
+    "$bundle"/whl/*.whl
+  if [ -f "$bundle/llama_cpp_cuda.tar.xz" ]; then tar xJf "$bundle/llama_cpp_cuda.tar.xz" -C "$site"; fi
+  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+  # cuBLAS and the CUDA runtime come from the image's torch wheel (nvidia/cu13/lib)
+  cuda_libs="$(python3 -c 'import glob,site
+print(":".join(sorted({p.rsplit("/",1)[0] for s in site.getsitepackages() for p in glob.glob(s+"/nvidia/cu*/lib/libcublas.so.*")})))' || true)"
+  export LD_LIBRARY_PATH="${cuda_libs:+$cuda_libs:}/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  if [ -f "$bundle/VARIANT" ]; then export CLEF_GPU_VARIANT="$(cat "$bundle/VARIANT")"; fi
+  if [ "$install_only" = 1 ]; then echo "$site"; exit 0; fi
+elif [ "${1:-}" = "--dry-run" ]; then
+  args+=(--dry-run); shift
+else
+  echo "usage: bash scripts/gpu-check.sh BUNDLE [options] | --dry-run [options] | --install-only BUNDLE" >&2
+  exit 2
 fi
-pip install --quiet -e ".[nvfp4]" pytest
-status=0
-if [ "${GPU_CHECK_SKIP_GGUF:-0}" != 1 ]; then
-  python scripts/gpu_check.py --speed "$@" || status=1
-fi
-python -m pytest -q tests/nvfp4 tests/convert/test_nvfp4_convert.py || status=1
-python scripts/gpu_check_nvfp4.py || status=1
-exit "$status"
+# From a folder with no clef_gguf/ in it: `python -m` there imports the installed package, never the clone's.
+cd "$(mktemp -d)"
+exec python3 "$root/scripts/gpu_check.py" --report "$report" "${args[@]}" "$@"

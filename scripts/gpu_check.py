@@ -1,84 +1,103 @@
-"""Decide on the tiny demo model with every layer on the GPU and on the CPU; print max |dp|.
+"""The GPU check: one JSON report of every row of ``gpu_rows.ROWS``, in priority order, within a deadline.
 
-Run by scripts/gpu-check.sh on a CUDA machine. Exit 1 when the build has no GPU backend, the GPU
-run did not offload, or the two disagree by more than 1e-3 (f32 tower: kernels differ, not maths).
+    python scripts/gpu_check.py --report REPORT.json [--deadline 480] [--dry-run] [--rows a,b] [--variant NAME]
 
-``--speed`` (gpu-check.sh passes it): also ``pick``'s speed probe with its layers on the GPU, as the
-runtime places a file that fits, against a measured decision of a random 9B-shaped Q4_K_M model
-(``convert.big``, ~6 GB, built here) on the GPU: ``speed.ratio`` is predicted / measured (the CPU
-goal is within 25%; exit 1 outside 0.5-2, a probe that does not see the GPU at all).
+Each row runs in a process of its own (``--row NAME``: a crash or a hang is that row's, and the deadline
+can stop it), its result written into the report as soon as it is measured. A row that cannot start, or
+finish, before the deadline is ``skipped``, which is not a failure; the exit status is 1 when a row
+``failed``. ``--dry-run`` runs every row's code on the CPU at the tiny shapes (the test suite does), so
+a GPU run is never spent on a typo. ``scripts/gpu-check.sh BUNDLE`` installs the offline bundle and runs
+this from a directory that holds no ``clef_gguf/`` source folder.
 """
 
+from __future__ import annotations
+
+import argparse
+import datetime
 import json
-import statistics
+import os
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_rows  # noqa: E402 - beside this script, not a package
 
-from clef_gguf import Clef
-from clef_gguf.convert.release import convert_release
-from clef_gguf.convert.synthetic.tiny import build_release
-from clef_gguf.models import machine
-
-REQUESTS = [
-    {"state": "Invoice INV-7 for $1,250.00 is 40 days past due.",
-     "questions": {"overdue": {"type": "noul"},
-                   "action": {"type": "choice", "criteria": {"remind": None, "escalate": None}},
-                   "risk": {"type": "score", "criteria": ["low", "medium", "high"]}}},
-    {"state": {"ticket": "refund not received", "days": 14} | {f"k{i}": i for i in range(200)},
-     "questions": {"urgent": {"type": "noul"}}},
-]
+SCHEMA = "clef-gguf-gpu-check/1"
+STATUSES = ("passed", "failed", "measured", "skipped")
+DEFAULT_DEADLINE_S = 480  # 8 minutes of a 15-minute lease, start-up and a rerun's margin aside
 
 
-def speed_on_gpu(work: Path) -> dict:
-    """pick's probe on the GPU vs a decision measured there (scripts/speed_check.py's measurement)."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    from speed_check import decision_seconds
-
-    from clef_gguf.convert.synthetic.big import build_random_model
-    from clef_gguf.core.cpus import available_cpus
-    from clef_gguf.core.limits import SYSTEM_PREFIX_TOKENS
-    from clef_gguf.pick import speed
-    from clef_gguf.tools.bench import sized_request
-
-    model = work / "flash9b-Q4_K_M"
-    build_random_model(model, outtype="Q4_K_M")
-    with Clef.load(model, gpu_layers="all", state_cache_mb=0) as clef:
-        request = sized_request(clef, speed.DEFAULT_TOKENS)
-        encoded = clef.prepare(request).encoded
-        measured = statistics.median(decision_seconds(clef, request))
-    decoded = encoded.n_tokens - encoded.prefix_tokens
-    table = speed.measure("clef-flash", ["Q4_K_M"], tokens=decoded + SYSTEM_PREFIX_TOKENS,
-                          threads=available_cpus(), gpu_layers={"Q4_K_M": -1}, reprobe=True)
-    row = table.quants["Q4_K_M"]
-    return {"measured_s": round(measured, 3), "predicted_s": row.seconds, "error": row.error,
-            "ratio": round(row.seconds / measured, 3) if row.seconds else None, "probe_s": table.took_seconds}
+def write(path: Path, report: dict) -> None:
+    """The report as it stands, replaced whole (a reader never sees half a file)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=1), encoding="utf-8")
+    os.replace(tmp, path)
 
 
-def main() -> int:
-    backends = machine.llama_backends()
-    with tempfile.TemporaryDirectory() as tmp:
-        model = convert_release(build_release(Path(tmp) / "rel"), Path(tmp) / "m", outtype="f32")
-        runs = {}
-        for name, layers in (("cpu", 0), ("gpu", "all")):
-            with Clef.load(model, gpu_layers=layers, state_cache_mb=0) as clef:
-                start = time.perf_counter()
-                probs = [np.concatenate(clef.probabilities(r)) for r in REQUESTS]
-                runs[name] = (clef.info["gpu_layers"], probs, time.perf_counter() - start)
-    dp = max(float(np.abs(a - b).max()) for a, b in zip(runs["cpu"][1], runs["gpu"][1]))
-    report = {"backends": backends, "gpu_layers": runs["gpu"][0], "max_abs_dp": dp,
-              "seconds": {k: round(v[2], 3) for k, v in runs.items()}}
-    print(json.dumps(report))
-    ok = bool(backends) and runs["gpu"][0] == -1 and dp <= 1e-3
-    if "--speed" in sys.argv[1:] and backends:
-        with tempfile.TemporaryDirectory() as tmp:
-            report["speed"] = speed_on_gpu(Path(tmp))
-        print(json.dumps(report))
-        ok = ok and report["speed"]["ratio"] is not None and 0.5 <= report["speed"]["ratio"] <= 2
-    return 0 if ok else 1
+def run_row(name: str, work: Path, dry: bool, left: float) -> dict:
+    """One row in a child process, stopped at ``left`` seconds; its dict, or why it has none."""
+    cmd = [sys.executable, __file__, "--row", name, "--work", str(work)] + (["--dry-run"] if dry else [])
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=max(1.0, left))
+    except subprocess.TimeoutExpired:
+        return {"status": "skipped", "reason": f"the deadline came {left:.0f} s into the row"}
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        return {"status": "failed", "reason": f"exit {proc.returncode}: {proc.stderr.strip()[-1500:]}"}
+    row = json.loads(lines[-1])
+    if row.get("status") not in STATUSES:
+        return {"status": "failed", "reason": f"no status in {row!r}"[:500]}
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--report", type=Path, help="the JSON report to write (default: gpu-check-report.json)")
+    p.add_argument("--deadline", type=float, default=DEFAULT_DEADLINE_S, help="seconds for all the rows")
+    p.add_argument("--dry-run", action="store_true", help="every row on the CPU at the tiny shapes")
+    p.add_argument("--rows", help="only these rows, comma-separated (default: all, in priority order)")
+    p.add_argument("--variant", default=os.environ.get("CLEF_GPU_VARIANT", "default"),
+                   help="the llama.cpp build variant this bundle is (flash attention on, FORCE_CUBLAS...)")
+    p.add_argument("--row", help=argparse.SUPPRESS)  # the child: run one row, print its JSON
+    p.add_argument("--work", type=Path, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    names = [name for name, _, _ in gpu_rows.ROWS]
+    if args.row:
+        fn = dict((n, f) for n, f, _ in gpu_rows.ROWS)[args.row]
+        print(json.dumps(fn(args.work, args.dry_run)))
+        return 0
+    wanted = names if not args.rows else [r.strip() for r in args.rows.split(",")]
+    unknown = sorted(set(wanted) - set(names))
+    if unknown:
+        p.error(f"unknown rows {unknown}: choose from {', '.join(names)}")
+    start = time.monotonic()
+    report_path = args.report or Path("gpu-check-report.json")
+    now = datetime.datetime.now(datetime.timezone.utc)
+    report: dict = {"schema": SCHEMA, "started": now.isoformat(timespec="seconds"),
+                    "deadline_s": args.deadline, "dry_run": args.dry_run, "variant": args.variant,
+                    "rows": [{"name": n, "priority": i + 1, "status": "pending"} for i, n in enumerate(wanted)],
+                    "finished": False}
+    write(report_path, report)
+    with tempfile.TemporaryDirectory(prefix="clef-gpu-check-", dir=os.environ.get("CLEF_GPU_WORK")) as work:
+        for entry in report["rows"]:
+            estimate = next(e for n, _, e in gpu_rows.ROWS if n == entry["name"])
+            left = args.deadline - (time.monotonic() - start)
+            t0 = time.monotonic()
+            if left < (1 if args.dry_run else min(estimate, 60)):  # no time to start it
+                row = {"status": "skipped", "reason": f"{left:.0f} s left before the deadline"}
+            else:
+                row = run_row(entry["name"], Path(work), args.dry_run, left)
+            entry.update(row, seconds=round(time.monotonic() - t0, 1))
+            write(report_path, report)
+            print(f"{entry['name']}: {entry['status']} ({entry['seconds']} s)", file=sys.stderr, flush=True)
+    report["finished"] = True
+    report["failed"] = [r["name"] for r in report["rows"] if r["status"] == "failed"]
+    report["seconds"] = round(time.monotonic() - start, 1)
+    write(report_path, report)
+    return 1 if report["failed"] else 0
 
 
 if __name__ == "__main__":

@@ -3,9 +3,11 @@
 Run by scripts/gpu-check.sh after the nvfp4 tests. For the tiny and a Qwen3.5-0.8B-shaped random
 release, each quantized to NVFP4A16 and NVFP4 (W4A4) with our converter: the median latency of
 one decision on the GPU (alternating the two schemes, 7 rounds), and for the tiny model max |dp|
-between the GPU (bf16) and the CPU (fp32) runs. It also records whether torch's FP4 GEMM is
-refused on this GPU (expected before Blackwell). Prints one JSON report; exit 1 when CUDA is
-absent or the GPU and CPU disagree by more than 0.05.
+between the GPU and the CPU, like for like: both in fp32 (``nvfp4_dtype="fp32"``; bf16 activations
+round to other FP4 codes, a different computation, not a wrong kernel). It also records whether
+torch's FP4 GEMM is refused on this GPU (expected before Blackwell). Prints one JSON report; exit 1
+when CUDA is absent or the GPU and CPU disagree past ``BARS`` (NVFP4A16 1e-5; W4A4 5e-3: its
+activations' FP4 rounding flips where fp32 sums differ in their last bits, 1.2e-3 on an H200).
 """
 
 import json
@@ -25,6 +27,7 @@ from clef_gguf.tower.nvfp4 import kernels
 from clef_gguf.convert.samples import SAMPLE_REQUESTS
 
 ROUNDS = 7
+BARS = {"nvfp4a16": 1e-5, "nvfp4": 5e-3}
 REQUEST = {**SAMPLE_REQUESTS[2]}  # ~400 tokens
 
 
@@ -67,15 +70,14 @@ def main() -> int:
             release = build_release(Path(tmp) / preset / "release", preset=preset)
             dirs = {s: quantize_release(release, Path(tmp) / preset / s, scheme=s) for s in ("nvfp4a16", "nvfp4")}
             if preset == "tiny":
-                worst = 0.0
+                worst = {}
                 for scheme, d in dirs.items():
-                    with Clef.load(d, gpu_layers="all", state_cache_mb=0) as gpu, \
+                    with Clef.load(d, gpu_layers="all", state_cache_mb=0, nvfp4_dtype="fp32") as gpu, \
                             Clef.load(d, gpu_layers=0, state_cache_mb=0) as cpu:
-                        for r in SAMPLE_REQUESTS:
-                            for a, b in zip(gpu.probabilities(r), cpu.probabilities(r)):
-                                worst = max(worst, float(np.abs(a - b).max()))
-                report["tiny_gpu_vs_cpu_max_abs_dp"] = worst
-                ok = ok and worst <= 0.05
+                        worst[scheme] = max(float(np.abs(a - b).max()) for r in SAMPLE_REQUESTS
+                                            for a, b in zip(gpu.probabilities(r), cpu.probabilities(r)))
+                report["tiny_fp32_gpu_vs_cpu_max_abs_dp"] = worst
+                ok = ok and all(worst[s] <= BARS[s] for s in worst)
             times = {s: latency(d) for s, d in dirs.items()}
             report["latency_ms"][preset] = {
                 s: {"median": round(statistics.median(t), 2), "min": round(min(t), 2), "max": round(max(t), 2)}

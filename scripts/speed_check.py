@@ -2,6 +2,7 @@
 
     python scripts/speed_check.py MODEL_DIR [MODEL_DIR ...] --preset flash9b [--tokens 500] [--repeat 2]
     python scripts/speed_check.py --small-set WORKDIR [--types Q8_0,Q4_K_M]   # every type, ~110M model
+    python scripts/speed_check.py NVFP4_GGUF_DIR --preset small --probe-quant NVFP4A16-GGUF
 
 Each MODEL_DIR is a random model of the preset's shape in one quant (``python -m clef_gguf.convert.synthetic.big
 DIR --outtype Q4_K_M``; ``--preset small`` for the ~110M shape). Per model, in this one process and
@@ -46,10 +47,10 @@ def spread(values: list[float]) -> dict:
             "max": round(max(values), 3)}
 
 
-def check(model: str, preset: str, tokens: int, threads: int, repeat: int) -> dict:
+def check(model: str, preset: str, tokens: int, threads: int, repeat: int, probe_quant: str | None = None) -> dict:
     clef = Clef.load(model, threads=threads, state_cache_mb=0)
     try:
-        quant = str(clef.info["quant"]).upper()
+        quant = (probe_quant or str(clef.info["quant"])).upper()
         request = sized_request(clef, tokens)
         encoded = clef.prepare(request).encoded
         decoded = encoded.n_tokens - encoded.prefix_tokens  # what each decision after the first decodes
@@ -104,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=speed.DEFAULT_TOKENS)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=2, help="measured/predicted pairs per model (default 2)")
+    ap.add_argument("--probe-quant", metavar="Q",
+                    help="the probe's name for the models' type when it is not their quant: NVFP4A16-GGUF or "
+                         "NVFP4-GGUF for an NVFP4 checkpoint's GGUF (convert CHECKPOINT OUT)")
     args = ap.parse_args(argv)
     models = list(args.models)
     if args.small_set:
@@ -113,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("give model directories or --small-set WORKDIR")
     rows = []
     for m in models:
-        rows.append(check(m, args.preset, args.tokens, args.threads, args.repeat))
+        rows.append(check(m, args.preset, args.tokens, args.threads, args.repeat, args.probe_quant))
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     print(json.dumps({"preset": args.preset, "tokens": args.tokens, "threads": args.threads, "rows": rows}, indent=1))
     return 0

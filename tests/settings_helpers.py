@@ -29,6 +29,7 @@ def every_flag(model_dir: Path, fine_tune: Path, calibration: Path) -> dict[str,
             "tokenizer": ["--tokenizer", str(d / "tokenizer.json")],
             "threads": ["--threads", "1"], "head_threads": ["--head-threads", "2"], "gpu_layers": ["--gpu-layers", "0"],
             "max_length": ["--max-length", "1024"], "head_dtype": ["--head-dtype", "bf16"],
+            "head_device": ["--head-device", "cpu"], "nvfp4_dtype": ["--nvfp4-dtype", "auto"],
             "allow_download": ["--offline"], "state_cache_mb": ["--state-cache-mb", "7"],
             "vision_cache_mb": ["--vision-cache-mb", "5"], "vision_engine": ["--vision-engine", "int8"],
             "strict": ["--strict"],
@@ -42,5 +43,6 @@ def argv(flags: dict[str, list[str]]) -> list[str]:
 def expected_info(version: str, *, threads: int = 1) -> dict:
     """What ``every_flag`` must have made of the default model's ``info``."""
     return {"threads": threads, "head_threads": 2, "gpu_layers": 0, "max_length": 1024, "head_dtype": "bf16",
+            "head_device": "cpu",
             "state_cache_mb": 7.0, "vision_cache_mb": 5.0, "vision_engine": "int8", "strict": True,
             "calibration_version": version, "backend": "llama-cpp-python"}

@@ -25,9 +25,9 @@ LOWER = {
     "tower": {"core", "formats", "pipeline"},  # hidden states: llama.cpp, nvfp4, the caches
     "convert": {"core", "formats", "heads", "vision", "pipeline", "media", "tower"},  # writing releases
     # the catalog: names, files, pull, placement, the hub. ``convert`` only where a pulled model is made
-    # runnable on first use (a native clef GGUF split, ``models/native.py``), inside that function: the
-    # split is a whole conversion (tower writer, head, tokenizer), not a reader to move below both
-    # (MODELS_CONVERT_EDGES below holds the list).
+    # runnable on first use (a native clef GGUF split, ``models/native.py``; an NVFP4 checkpoint
+    # re-encoded, ``models/nvfp4_gguf.py``), inside those functions: each is a whole conversion (tower
+    # writer, head, tokenizer), not a reader to move below both (MODELS_CONVERT_EDGES below).
     "models": {"core", "formats", "convert"},
     "runtime": {"core", "formats", "heads", "vision", "pipeline", "media", "tower", "models"},
     "clef_gguf": {"core", "runtime"},
@@ -44,7 +44,8 @@ LOWER |= {  # the applications, on top
 }
 # The models -> convert edges, each made inside a function (loading a model never imports the
 # converter unless it has to convert): module -> the convert modules it may reach.
-MODELS_CONVERT_EDGES = {"clef_gguf.models.native": {"clef_gguf.convert.split"}}
+MODELS_CONVERT_EDGES = {"clef_gguf.models.native": {"clef_gguf.convert.split"},
+                        "clef_gguf.models.nvfp4_gguf": {"clef_gguf.convert.nvfp4_gguf"}}
 
 
 def _modules() -> dict[str, Path]:

@@ -71,6 +71,15 @@ def fraction(text: str) -> float:
     return value
 
 
+def head_device(text: str) -> str:
+    """``auto``, ``cpu``, ``cuda`` or ``cuda:N``."""
+    value = text.strip().lower()
+    kind, _, index = value.partition(":")
+    if value in ("auto", "cpu", "cuda") or (kind == "cuda" and index.isdigit()):
+        return value
+    raise _refuse(f"must be auto, cpu, cuda or cuda:N (got {text!r})")
+
+
 def gpu_layers(text: str) -> int | str:
     """``auto`` (the device policy), ``all``, or a layer count >= 0."""
     if text in ("auto", "all"):

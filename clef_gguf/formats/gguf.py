@@ -115,6 +115,12 @@ def file_type_name(reader: gguf.GGUFReader) -> str:
     return name.replace("MOSTLY_", "").replace("ALL_", "").lower()
 
 
+def second_scaled(reader: gguf.GGUFReader) -> list[str]:
+    """The weights llama.cpp multiplies by a second, per-tensor scale (``<name>.scale``: NVFP4)."""
+    names = {t.name for t in reader.tensors}
+    return sorted(n for n in names if n.endswith(".weight") and n.removesuffix(".weight") + ".scale" in names)
+
+
 # Written by `clef-gguf convert --keep-layers` (clef_gguf.convert.keep_layers): the decoder layers
 # kept at a wider type than the quant's mix, as "0-7=q8_0".
 KEEP_LAYERS_KEY = "clef_gguf.keep_layers"

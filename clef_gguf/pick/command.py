@@ -10,7 +10,8 @@ from clef_gguf.core.cpus import available_cpus
 from clef_gguf.core.errors import InvalidValue
 from clef_gguf.pick import evidence, speed
 from clef_gguf.models.machine import DeviceProfile, probe
-from clef_gguf.models.placement import DEFAULT_CONTEXT, Recommendation, fp4_note, gib, gpu_layers, recommend
+from clef_gguf.models.placement import (DEFAULT_CONTEXT, Candidate, Recommendation, fp4_note, gib, gpu_layers,
+                                        recommend)
 
 
 def _quant_list(text: str) -> list[str]:
@@ -57,7 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                   "--max-seconds); speed: the fastest one that fits (and keeps your "
                                   "answers, with --eval)")
     speed_flags.add_argument("--quants", metavar="Q[,Q...]", type=_quant_list,
-                             help="probe only these quants (default: every quant that fits)")
+                             help="probe only these quants (default: every quant that fits); NVFP4A16-GGUF "
+                                  "and NVFP4-GGUF (the NVFP4 checkpoints re-encoded for llama.cpp, pulled "
+                                  "by name) are timed only when named here")
     speed_flags.add_argument("--no-probe", action="store_true",
                              help="skip the speed probe: memory (and --eval) only")
     speed_flags.add_argument("--reprobe", action="store_true",
@@ -66,8 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "(clef-flash:nvfp4a16, clef-flash:nvfp4, clef:nvfp4; the nvfp4 backend, PyTorch on "
                      "CUDA) with their GPU memory need, and says whether this GPU runs FP4 natively "
                      "(Blackwell, compute capability 10.x/11.x/12.x: W4A4 on FP4 tensor cores) or through "
-                     "the dequantizing fallback (other GPUs, and W4A16 everywhere). They are never chosen "
-                     "automatically: pull one by name.")
+                     "the dequantizing fallback (other GPUs, and W4A16 everywhere), and beside each its NVFP4 "
+                     "GGUF (clef-flash:nvfp4a16-gguf, clef-flash:nvfp4-gguf: the same codes through llama.cpp on "
+                     "any device; --quants NVFP4A16-GGUF times it). They are never chosen automatically: pull "
+                     "one by name.")
 
 
 def measure_speed(args: argparse.Namespace, profile: DeviceProfile, rec: Recommendation) -> speed.SpeedTable | None:
@@ -75,6 +80,7 @@ def measure_speed(args: argparse.Namespace, profile: DeviceProfile, rec: Recomme
     if args.no_probe:
         return None
     known = {c.quant.upper(): c for c in rec.candidates}
+    known |= {c.gguf.quant.upper(): c.gguf for c in rec.nvfp4 if c.gguf is not None}  # timed when asked for
     if args.quants:
         unknown = [q for q in args.quants if q not in known]
         if unknown:
@@ -152,19 +158,35 @@ def run(args: argparse.Namespace) -> int:
         for c in rec.nvfp4:
             mark = "+" if c.suitable else "-"
             print(f"  {mark} {c.reason}")
+            if c.gguf is not None:
+                print(f"      {gguf_line(rec.family, c.gguf, table)}")
     return 0 if rec.ok else 1
 
 
+def gguf_line(family: str, c: Candidate, table: speed.SpeedTable | None) -> str:
+    """One NVFP4 GGUF in words: its name, size, memory and fit, and its predicted seconds when timed."""
+    where = "on the GPU" if c.fits_gpu else "on the CPU" if c.fits_cpu else "nowhere here"
+    line = (f"as an NVFP4 GGUF, {family}:{c.quant.lower()} (llama.cpp, re-encoded on first use): "
+            f"~{c.size_bytes / 1e9:.2f} GB, {c.need_bytes / (1 << 30):.1f} GiB of memory, fits {where}")
+    s = table.get(c.quant) if table is not None else None
+    if table is not None and s is not None and s.seconds is not None:
+        return line + f"; predicted {s.seconds:.1f} s for {table.decision()}"
+    if s is not None and s.error:
+        return line + f"; probe failed: {s.error}"
+    return line + f" (pick --quants {c.quant} times it)"
+
+
 def rows(rec: Recommendation, table: speed.SpeedTable | None, agreements: dict[str, float]) -> list[dict]:
-    """One row per published quant: size, memory at --ctx, fits, predicted seconds, tokens/s, agreement."""
+    """One row per published quant: size, memory at --ctx, fits, predicted seconds, tokens/s, agreement;
+    then the NVFP4 GGUFs (``by_name``: never chosen automatically)."""
     out = []
-    for c in rec.candidates:
+    for c in [*rec.candidates, *(n.gguf for n in rec.nvfp4 if n.gguf is not None)]:
         s = table.get(c.quant) if table is not None else None
         out.append({"quant": c.quant, "size_bytes": c.size_bytes, "size_basis": c.size_basis,
                     "memory_bytes": c.need_bytes, "fits": c.fits,
                     "seconds": s.seconds if s else None, "tokens_per_second": s.tokens_per_second if s else None,
                     "probe_error": s.error if s else None, "under_load": bool(s and s.loaded),
-                    "agreement": agreements.get(c.quant.upper())})
+                    "agreement": agreements.get(c.quant.upper()), "by_name": c not in rec.candidates})
     return out
 
 
@@ -191,6 +213,8 @@ def print_table(rec: Recommendation, table: speed.SpeedTable | None, agreements:
         head += f" {'top-1 agreement':>15}"
     print(head)
     for r in rows(rec, table, agreements):
+        if r["by_name"]:  # the NVFP4 GGUFs: under the NVFP4 checkpoints below
+            continue
         line = (f"  {r['quant']:<8} {r['size_bytes'] / 1e9:>8.2f} {r['memory_bytes'] / (1 << 30):>10.1f} "
                 f"{'yes' if r['fits'] else 'no':>4}")
         if table is not None:

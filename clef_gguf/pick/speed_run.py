@@ -93,10 +93,13 @@ def _time_tower(path: Path, tokens: int, threads: int, gpu_layers: int, prefix: 
         return Timed(n, runs) if n == tokens else Timed(n, runs, short, shorts)
 
 
-def _time_head(config: dict, tokens: int, threads: int, rounds: int) -> float:
+def _time_head(config: dict, tokens: int, threads: int, rounds: int, on_gpu: bool = False) -> float:
     """The joint head at ``config``'s shape on ``tokens`` hidden states: 3 questions and 11 options
-    (a noul, a 4-way choice, a 5-level score), as ``clef-gguf bench`` asks."""
+    (a noul, a 4-way choice, a 5-level score), as ``clef-gguf bench`` asks; ``on_gpu``: where the runtime
+    puts it beside a GPU tower (``head_device=auto``), when torch sees CUDA."""
     import torch
+
+    device = torch.device("cuda" if on_gpu and torch.cuda.is_available() else "cpu")
 
     from clef_gguf.heads import synthetic_spans
     from clef_gguf.heads.joint import JointSchemaHead
@@ -108,14 +111,14 @@ def _time_head(config: dict, tokens: int, threads: int, rounds: int) -> float:
     pos = options[-1][1]
     # torch's own initialisation: the values do not matter to time, and random_head's float64 draws
     # took 3 s of the probe at Clef-Flash's shape
-    head = JointSchemaHead(**check_config(config, source="config")).eval()
-    hidden = torch.randn(max(tokens, pos), config["hidden_size"])
+    head = JointSchemaHead(**check_config(config, source="config")).eval().to(device)
+    hidden = torch.randn(max(tokens, pos), config["hidden_size"])  # host arrays, as the tower hands them
     rows = torch.randn(sum(e - s for s, e in options), config["hidden_size"])
     seconds = []
     with torch.inference_mode():
         for _ in range(rounds + 1):  # the first is a warm-up
             start = time.perf_counter()
-            head(hidden, rows, questions, options, counts, [0, 1, 2])
+            head(hidden, rows, questions, options, counts, [0, 1, 2]).cpu()  # the logits back: a sync
             seconds.append(time.perf_counter() - start)
     return statistics.median(seconds[1:])
 
@@ -170,7 +173,8 @@ def main(spec_path: str) -> int:
     if picture_tokens:  # the picture's tokens go through the tower and the head with the text's
         tokens, head_tokens = tokens + picture_tokens, head_tokens + picture_tokens
     if not spec.get("head_known"):
-        say({"head_seconds": _time_head(spec["head"], head_tokens, spec["threads"], 3)})
+        on_gpu = any(n != 0 for n in spec["gpu_layers"].values())
+        say({"head_seconds": _time_head(spec["head"], head_tokens, spec["threads"], 3, on_gpu)})
     skeleton_tensors = probe_tower.read_tensors(skeleton)
     whole = spec["probe_layers"] == spec["layers"]  # a small tower, probed whole: real rows
     for quant in spec["quants"]:
@@ -179,13 +183,16 @@ def main(spec_path: str) -> int:
         try:
             if quant == "BF16":  # the skeleton's own types, what the converter writes for BF16
                 stored = skeleton_tensors if whole else probe_tower.retyped(skeleton_tensors, {})
+            elif quant in probe_tower.NVFP4_GGUF:  # a checkpoint's codes re-encoded: no quantizer's mix
+                stored = probe_tower.nvfp4_retyped(skeleton_tensors, spec["preset"])
             elif whole:
                 stored = probe_tower.quantized(skeleton, quant, workdir, spec["threads"])
             else:
                 stored = probe_tower.retyped(skeleton_tensors,
                                              probe_tower.planned_types(skeleton, quant, spec["threads"]))
             sources = probe_tower.choose_layers(stored, spec["preset"], spec["probe_layers"])
-            written = probe_tower.write_probe(probe, stored, spec["preset"], sources, workdir)
+            written = probe_tower.write_probe(probe, stored, spec["preset"], sources, workdir,
+                                              nvfp4_a16=probe_tower.NVFP4_GGUF.get(quant) is False)
             got = _time_tower(probe, tokens, spec["threads"], spec["gpu_layers"].get(quant, 0), spec["prefix"])
             types: dict[str, int] = {}
             for t in stored.values():

@@ -73,7 +73,8 @@ class Opened:
     label: str  # what the vocab is called in errors: "GGUF" or "checkpoint"
     lexical: RowStore
     quant: str
-    load_tower: Callable[[int, int | None, int | str], LanguageTower]  # (max_length, threads, gpu_layers)
+    # (max_length, threads, gpu_layers, nvfp4_dtype)
+    load_tower: Callable[[int, int | None, int | str, str], LanguageTower]
     model_hash: Callable[[], str]
 
     @property
@@ -97,7 +98,10 @@ def open_gguf_tower(found: model_files.ModelFiles) -> Opened:
     check_header(reader, found.tower)  # llama.cpp aborts on some bad hyperparameters
     lexical = LexicalRows(reader)
 
-    def load(max_length: int, threads: int | None, asked: int | str) -> LanguageTower:
+    def load(max_length: int, threads: int | None, asked: int | str, nvfp4_dtype: str) -> LanguageTower:
+        if nvfp4_dtype != "auto":  # llama.cpp's kernels choose their own precision
+            raise errors.InvalidSetting(f"nvfp4_dtype {nvfp4_dtype!r} sets the nvfp4 backend's compute dtype; "
+                                        f"{found.tower.name} runs in llama.cpp (leave it auto)", field="nvfp4_dtype")
         layers = gpu_layers(asked, found.tower, lexical.hidden_size, max_length)
         return Tower.load(found.tower, n_ctx=max_length, threads=threads, gpu_layers=layers,
                           free_memory=device_free_memory)
@@ -113,10 +117,11 @@ def open_nvfp4_tower(found: model_files.ModelFiles) -> Opened:
     checkpoint = Checkpoint(found.tower)
     lexical = CheckpointRows(checkpoint)
 
-    def load(max_length: int, threads: int | None, asked: int | str) -> LanguageTower:
+    def load(max_length: int, threads: int | None, asked: int | str, nvfp4_dtype: str) -> LanguageTower:
         from clef_gguf.tower.nvfp4.tower import NVFP4Tower
 
-        return NVFP4Tower.load(found.tower, n_ctx=max_length, threads=threads, gpu_layers=asked)
+        return NVFP4Tower.load(found.tower, n_ctx=max_length, threads=threads, gpu_layers=asked,
+                               dtype=nvfp4_dtype)
 
     def model_hash() -> str:
         """One digest over the config and every shard (each hashed once, or as recorded)."""

@@ -109,8 +109,21 @@ def check_fits(found: AdapterFiles, name: str, tower_file: str, *, n_embd: int, 
     _check_adapter_file(found.adapter, name)
 
 
+def _refuse_second_scales(tower: Path, name: str) -> None:
+    """llama.cpp applies an NVFP4 weight's second scale after a LoRA's term on the feed-forward weights and
+    aborts the process rather than compute that (``build_ffn``'s GGML_ASSERT): refused here, by name."""
+    from clef_gguf.formats.gguf import open_gguf, second_scaled
+
+    scaled = second_scaled(open_gguf(tower))
+    if scaled:
+        raise errors.Unsupported(f"fine-tune {name!r}: {tower.name} holds {len(scaled)} NVFP4 weights with a "
+                                 "second scale (e.g. " + scaled[0] + "), which llama.cpp cannot combine with a "
+                                 "LoRA adapter: run the fine-tune on another quant of its base, or merge it "
+                                 "(clef-finetune merge) and convert the merged release", field="adapter")
+
+
 def load(tower: LanguageTower, base: answer.Provenance, hidden_size: int, head_dtype: torch.dtype,
-         name: str, found: AdapterFiles, *, scale: float = 1.0) -> FineTune:
+         name: str, found: AdapterFiles, *, scale: float = 1.0, device: torch.device | None = None) -> FineTune:
     """The fine-tune ``found`` on the loaded base ``tower``: refused before anything runs when it
     does not fit it (another architecture or size, a head of another width)."""
     from clef_gguf.heads import load_head
@@ -119,12 +132,15 @@ def load(tower: LanguageTower, base: answer.Provenance, hidden_size: int, head_d
     if not isinstance(tower, Tower):
         raise errors.InvalidSetting(f"fine-tune {name!r}: LoRA adapters run on the gguf backend "
                                     f"(llama.cpp), not on {base.backend}", field="adapter")
+    _refuse_second_scales(tower.path, name)
     check_fits(found, name, tower.path.name, n_embd=tower.n_embd, n_vocab=tower.n_vocab,
                n_layer=tower.n_layer)
     # Hashed here, not taken from the manifest: these are the bytes that will run.
     adapter_sha, head_sha, config_sha = (sha256_file(p) for p in (found.adapter, found.head_weights,
                                                                     found.head_config))
     head = load_head(found.head_config, found.head_weights, hidden_size=hidden_size, dtype=head_dtype)
+    if device is not None:
+        head.to(device)  # beside the base's head
     view = tower.adapted(found.adapter, scale=scale, tag=cache_tag(adapter_sha, scale))
     digest = hashlib.sha256(f"{base.model_hash}\nadapter:{adapter_sha}:{scale!r}\n"
                             f"head:{head_sha}\n".encode()).hexdigest()

@@ -23,7 +23,7 @@ from clef_gguf.media import support as media_support
 from clef_gguf.models.catalog import is_catalog_name
 from clef_gguf.pipeline import answer
 from clef_gguf.pipeline.encode import TEMPLATE_SHA256, Encoder
-from clef_gguf.runtime import backends, finetunes
+from clef_gguf.runtime import backends, devices, finetunes
 from clef_gguf.runtime.registry import M, Models
 from clef_gguf.runtime.settings import LoadSettings
 from clef_gguf.tower.cache import StateCache
@@ -81,6 +81,7 @@ def resolve(settings: LoadSettings) -> model_files.ModelFiles:
 def load(settings: LoadSettings, make: Callable[..., M]) -> Models[M]:
     """Every model ``settings`` name: the base, and its fine-tunes on the same tower, each made by
     ``make`` (``Clef``: handed in by ``Clef.load``, so that loading does not import the model)."""
+    devices.check_head_device(settings.head_device)  # an impossible device fails before any file loads
     cal = calibration_file.load(settings.calibration)  # a bad file fails before the tower loads
     found = resolve(settings)
     opened = backends.open_tower_files(found, settings.backend)
@@ -95,10 +96,14 @@ def load(settings: LoadSettings, make: Callable[..., M]) -> Models[M]:
         raise errors.HeadMismatch(
             f"the tokenizer has {n_ids} token ids but the {opened.label} vocab has only "
             f"{lexical.vocab_size}: they are not from the same release", field="tokenizer")
-    tower = opened.load_tower(settings.max_length, settings.threads, settings.gpu_layers)
+    tower = opened.load_tower(settings.max_length, settings.threads, settings.gpu_layers, settings.nvfp4_dtype)
     try:
         # The head runs after the tower on the same cores: torch gets as many threads as the tower.
         set_torch_threads(settings.head_threads or tower.threads)
+        device = devices.head_device(settings.head_device, tower.cuda_device)
+        joint.to(device)
+        if settings.head_dtype == "fp32":
+            devices.exact_fp32(device)
         if tower.n_embd != lexical.hidden_size:
             raise errors.CorruptModel(f"n_embd {tower.n_embd} != lm_head width {lexical.hidden_size}",
                                       field="tower")
@@ -109,6 +114,7 @@ def load(settings: LoadSettings, make: Callable[..., M]) -> Models[M]:
                 "files": {p.name: found.known_sha256(p) for p in found.paths().values()}
                 | {found.tower.name: model_hash},
                 "backend": opened.runner, "precision": opened.quant, "head_dtype": settings.head_dtype,
+                "head_device": str(device),
                 "max_length": settings.max_length, "n_embd": tower.n_embd, "lexical_rows": lexical.type_name,
                 "lm_head_avoided": tower.uses_nextn, "gpu_layers": tower.gpu_layers,
                 "threads": tower.threads, "head_threads": torch.get_num_threads(), "strict": settings.strict,
@@ -147,7 +153,8 @@ def _fine_tunes(base: M, settings: LoadSettings) -> tuple[dict[str, M], str]:
             raise errors.InvalidSetting(f"the fine-tune name {name!r} is already the base's name: give it "
                                         "another", field="adapters")
         parts: Any = base  # a Clef (a dataclass): the fine-tune is the base with its own parts
-        tune = finetunes.load(parts.tower, parts.provenance, parts.lexical.hidden_size, parts.head_dtype, name, found)
+        tune = finetunes.load(parts.tower, parts.provenance, parts.lexical.hidden_size, parts.head_dtype, name, found,
+                              device=parts.head_device)
         tunes[name] = dataclasses.replace(parts, tower=tune.tower, head=tune.head, provenance=tune.provenance,
                                           info=parts.info | tune.info, calibration=calibration_file.IDENTITY, base=base)
     return tunes, next(iter(names)) if fine_default else base.name

@@ -89,6 +89,10 @@ class Clef:
     def head_dtype(self) -> torch.dtype:
         return next(self.head.parameters()).dtype
 
+    @property
+    def head_device(self) -> torch.device:
+        return next(self.head.parameters()).device
+
     def calibrated(self, calibration: Calibration) -> Clef:
         provenance = dataclasses.replace(self.provenance, calibration_version=calibration.version)
         return dataclasses.replace(self, calibration=calibration, provenance=provenance,

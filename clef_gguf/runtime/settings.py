@@ -72,6 +72,14 @@ class LoadSettings(pydantic.BaseModel):
         "it on the CPU (nvfp4: auto/all use CUDA when present, 0 the CPU)"))
     max_length: Annotated[Whole, Flag(type=argtypes.positive_int)] = Field(default=CONTEXT_WINDOW, description=(
         f"prompt window in tokens (reference: {CONTEXT_WINDOW}); longer requests are refused"))
+    head_device: Annotated[str, pydantic.StringConstraints(pattern=r"^(auto|cpu|cuda(:\d+)?)$"),
+                           Flag(type=argtypes.head_device)] = Field(default="auto", description=(
+        "where the joint head runs: auto (default: the GPU that holds the tower's layers when torch sees "
+        "CUDA, else the CPU), cpu, cuda or cuda:N (refused where torch has no CUDA); fp32 with TF32 off "
+        "unless --head-dtype bf16"))
+    nvfp4_dtype: Literal["auto", "bf16", "fp32"] = Field(default="auto", description=(
+        "the nvfp4 backend's compute dtype: auto (default: bf16 on CUDA, fp32 on the CPU), bf16, or fp32 "
+        "(on CUDA: the CPU's numbers, for like-for-like checks); the gguf backend takes only auto"))
     head_dtype: Annotated[Literal["fp32", "bf16"], Flag(("--head-dtype", "--precision"))] = Field(
         default="fp32", description="the head's dtype: fp32 (default) or bf16 (the reference's numerics); "
                             "--precision is its earlier name")

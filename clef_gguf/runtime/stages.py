@@ -28,7 +28,7 @@ def head_logits(head: torch.nn.Module, lexical: RowStore, enc: Encoded,
     with torch.inference_mode():
         logits = head(torch.from_numpy(hidden), torch.from_numpy(rows).to(dtype), list(enc.question_spans),
                       list(enc.option_spans), list(enc.option_counts), list(enc.types))
-    return logits.float().numpy(), option_ids, t
+    return logits.float().cpu().numpy(), option_ids, t
 
 
 def decision(prepared: Prepared, hidden: np.ndarray, cached: int, tower_ms: float, *, head: torch.nn.Module,

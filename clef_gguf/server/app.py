@@ -230,11 +230,13 @@ def run(args: argparse.Namespace) -> int:
     """Serve until Ctrl-C / SIGTERM (exit 0); a model that fails to load raises its ClefError."""
     import uvicorn
 
+    from clef_gguf.runtime.devices import check_head_device
     from clef_gguf.runtime.flags import load_model
 
     if args.model is None and args.gguf is None:  # fail before binding, not in the background
         raise MissingField("give --model (a model directory or catalog name) or --gguf with "
                            "its head files", field="model")
+    check_head_device(args.head_device)  # a head device this torch cannot give: no server at all
     for name in ("clef_gguf.server", "uvicorn.error"):  # the per-request lines and startup
         logging.getLogger(name).setLevel(logging.INFO)
     if args.engine == "ray-serve":

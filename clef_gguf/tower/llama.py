@@ -31,6 +31,7 @@ import llama_cpp as ll
 import numpy as np
 
 from clef_gguf.core.errors import AdapterMismatch, CorruptModel, InferenceError
+from clef_gguf.tower import kernel_table
 
 if TYPE_CHECKING:
     from clef_gguf.tower.packing import Slot
@@ -138,12 +139,23 @@ class Attention:
 ATTENTION: dict[str, Attention] = {
     "exact-f32": Attention("exact-f32", ll.GGML_TYPE_F32, ll.LLAMA_FLASH_ATTN_TYPE_DISABLED),
     "default": Attention("default", None, ll.LLAMA_FLASH_ATTN_TYPE_AUTO),
+    # for measuring (the GPU check's kernel matrix): flash attention forced on or off
+    "flash-on": Attention("flash-on", None, ll.LLAMA_FLASH_ATTN_TYPE_ENABLED),
+    "flash-off": Attention("flash-off", None, ll.LLAMA_FLASH_ATTN_TYPE_DISABLED),
 }
 # (llama_ftype of the weights, device) -> the setting; anything not listed gets "default". GPU
 # kernels were not measured (CUDA's flash attention works in f16 whatever the cache type).
 ATTENTION_BY_WEIGHTS: dict[tuple[int, str], str] = {
     (ll.LLAMA_FTYPE_ALL_F32, "cpu"): "exact-f32",
 }
+
+
+def ll_ftype_name(ftype: int) -> str:
+    """``LLAMA_FTYPE_MOSTLY_Q4_K_M`` -> ``q4_k_m`` (``ftype_N`` for a number llama-cpp-python does not name)."""
+    for name in dir(ll):
+        if name.startswith(("LLAMA_FTYPE_MOSTLY_", "LLAMA_FTYPE_ALL_")) and getattr(ll, name) == ftype:
+            return name.split("_", 3)[3].lower()
+    return f"ftype_{ftype}"
 
 
 def gpu_offload() -> bool:
@@ -189,10 +201,20 @@ class LlamaModel:
         n = ll.llama_model_meta_val_str(self.ptr, key.encode(), buf, len(buf))
         return buf.value.decode() if n >= 0 else None
 
+    @property
+    def device(self) -> str:
+        return "gpu" if self.gpu_layers else "cpu"
+
+    @property
+    def weights(self) -> str:
+        """llama.cpp's name of the file type, lower case (q4_k_m, bf16...)."""
+        return ll_ftype_name(self.ftype)
+
     def attention(self) -> Attention:
-        """The attention setting :data:`ATTENTION_BY_WEIGHTS` gives these weights on this device."""
-        device = "gpu" if self.gpu_layers else "cpu"
-        return ATTENTION[ATTENTION_BY_WEIGHTS.get((self.ftype, device), "default")]
+        """The attention setting for these weights on this device: :data:`ATTENTION_BY_WEIGHTS`'s
+        exactness rule, else what ``kernel_table`` measured fastest, else the default."""
+        exact = ATTENTION_BY_WEIGHTS.get((self.ftype, self.device))
+        return ATTENTION[exact or kernel_table.setting_for(self.weights, self.device).attention]
 
     def close(self) -> None:
         if self.ptr:

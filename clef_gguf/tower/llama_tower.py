@@ -19,10 +19,11 @@ from typing import cast
 import numpy as np
 
 from clef_gguf.core.cpus import available_cpus, check_threads
-from clef_gguf.core.limits import CONTEXT_WINDOW, DECODE_CHUNK
+from clef_gguf.core.limits import CONTEXT_WINDOW
 from clef_gguf.core.errors import ClefError, InferenceError, InvalidSetting, ModelNotFound
 from clef_gguf.tower.llama import (ATTENTION, LlamaAdapter, LlamaContext, LlamaModel, PositionedBatch,
                                    extra_buffer_types, gpu_offload)
+from clef_gguf.tower import kernel_table
 from clef_gguf.tower.packing import PACKING, FreeMemory, PackRule, chunks, host_free_memory
 from clef_gguf.tower.cache import StateCache, usable
 from clef_gguf.pipeline.mediaprompt import MediaPrompt
@@ -82,8 +83,16 @@ class ContextSequence:
         self._ctx.use(self._adapter)
         for first, end in chunks(0, len(ids), self._ctx.n_batch):
             try:
-                if media is None:
+                if media is None and not self._ctx.nextn:  # embeddings mode: every token an output
                     self._ctx.decode_tokens(np.ascontiguousarray(ids[first:end]))
+                    out[first:end] = self._ctx.rows(end - first, n_embd)
+                    continue
+                if media is None:
+                    # Every position given and no token flagged an output: llama.cpp's batch_get_one
+                    # makes a chunk's last token one, which runs the 248,320-row lm_head per chunk
+                    # (~0.4 ms on an H200) for a row nothing reads.
+                    pos = np.arange(at + first, at + end, dtype=np.int32)
+                    self._ctx.decode(self.positioned.tokens(ids[first:end], pos))
                     out[first:end] = self._ctx.rows(end - first, n_embd)
                     continue
                 for begin, stop, row in media.pieces(at + first, at + end):
@@ -107,8 +116,9 @@ class ContextSequence:
 
     @property
     def positioned(self) -> PositionedBatch:
-        """The batch media prompts are decoded with, made on first use (``n_batch`` x ``n_embd``
-        floats; in the pool: shared by the views of a tower, used under their lock)."""
+        """The batch prompts are decoded with (tokens or media embeddings, positions given, no output
+        flagged), made on first use (``n_batch`` x ``n_embd`` floats; in the pool: shared by the views
+        of a tower, used under their lock)."""
         if self._pool.positioned is None:
             self._pool.positioned = PositionedBatch(self._ctx.n_batch, self.n_embd)
         return self._pool.positioned
@@ -133,10 +143,11 @@ class Tower:
 
     @classmethod
     def load(cls, path: str | Path, *, n_ctx: int = CONTEXT_WINDOW, threads: int | None = None,
-             n_batch: int = DECODE_CHUNK, gpu_layers: int | str = 0, attention: str | None = None,
+             n_batch: int | None = None, gpu_layers: int | str = 0, attention: str | None = None,
              free_memory: FreeMemory = host_free_memory) -> Tower:
         """``attention``: a name of ``llama.ATTENTION`` for both contexts; None: the one
-        ``llama.ATTENTION_BY_WEIGHTS`` gives the weights (exact on f32 towers on the CPU).
+        ``LlamaModel.attention`` gives the weights (exact on f32 towers on the CPU, else measured).
+        ``n_batch``: tokens per llama_decode; None: what ``kernel_table`` measured fastest (512 until then).
         ``free_memory``: the device policy's free bytes, the budget of packed decoding (the loader
         passes it: the tower knows nothing of devices)."""
         path = Path(path)
@@ -152,6 +163,8 @@ class Tower:
         model = LlamaModel(path, gpu_layers)
         try:
             setting = ATTENTION[attention] if attention is not None else model.attention()
+            if n_batch is None:
+                n_batch = kernel_table.setting_for(model.weights, model.device).n_batch
             ctx = LlamaContext(model, n_ctx, min(n_batch, n_ctx), threads or available_cpus(), attention=setting)
         except BaseException:
             model.close()
@@ -200,6 +213,11 @@ class Tower:
     def gpu_layers(self) -> int:
         """Layers offloaded (-1: all); 0 on a CPU-only build whatever was asked."""
         return self._model.gpu_layers
+
+    @property
+    def cuda_device(self) -> int | None:
+        """llama.cpp's main GPU (device 0: the runtime sets no other) when layers are offloaded."""
+        return 0 if self._model.gpu_layers else None
 
     @property
     def uses_nextn(self) -> bool:

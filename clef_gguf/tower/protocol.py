@@ -58,6 +58,12 @@ class LanguageTower(Protocol):
         ...
 
     @property
+    def cuda_device(self) -> int | None:
+        """The CUDA device index that holds the tower's layers (where ``head_device=auto`` puts the
+        head), None when they are on the CPU."""
+        ...
+
+    @property
     def uses_nextn(self) -> bool:
         """Whether the lm_head is kept off the prompt (only option rows are ever read)."""
         ...

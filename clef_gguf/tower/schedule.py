@@ -206,6 +206,10 @@ class Schedule(Generic[S, K]):
         claimed.update(k for k in (prompt_key, state_key) if k is not None)
         return True
 
+    def state_cached(self, ids: np.ndarray, prefix: int, state: int, cache: StateCache | None) -> bool:
+        """Whether the cache holds this prompt's ``[prefix][state]`` (its plan restores it)."""
+        return cache is not None and state > 0 and cache.key("state", ids[:prefix + state], self.tag) in cache
+
     def plan(self, ids: np.ndarray, prefix: int, state: int, cache: StateCache | None,
              media: MediaPrompt | None = None) -> Plan[K]:
         """Restore a cached ``[prefix][state]`` (then decode the rest), else the kept prefix (then

@@ -126,3 +126,44 @@ def test_zero_tensors_are_holes_in_the_probe_and_every_tensor_reads_back(skeleto
     with Tower.load(path, threads=1) as tower:
         hidden = tower.hidden_states(np.arange(300, 332, dtype=np.int32))
     assert hidden.shape == (32, 512) and np.isfinite(hidden).all()
+
+
+def test_the_nvfp4_probe_plans_what_a_converted_checkpoint_holds(tiny_release, tmp_path):
+    """The probe's NVFP4 GGUF has NVFP4 (with a second scale) exactly where ``convert.nvfp4_gguf`` puts it
+    for a checkpoint of the same shapes, and the bf16 skeleton's types elsewhere."""
+    from clef_gguf.convert.nvfp4 import quantize_release
+    from clef_gguf.convert.nvfp4_gguf import convert_checkpoint
+    from clef_gguf.formats.files import from_directory
+
+    out = convert_checkpoint(quantize_release(tiny_release, tmp_path / "ck", scheme="nvfp4a16"), tmp_path / "gguf")
+    real = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(from_directory(out).tower)).tensors}
+    skeleton = tmp_path / "skeleton.gguf"
+    probe_tower.write_skeleton(skeleton, "tiny", tmp_path)
+    planned = probe_tower.nvfp4_retyped(probe_tower.read_tensors(skeleton), "tiny")
+    fp4 = {n for n, t in planned.items() if t.qtype.name == "NVFP4"}
+    assert fp4 == {n for n, k in real.items() if k == "NVFP4"} and len(fp4) > 10
+    scales = {n for n in planned if n.endswith(probe_tower.SECOND_SCALE)}
+    assert scales == {n for n in real if n.endswith(probe_tower.SECOND_SCALE)}
+    assert scales == {n.removesuffix(".weight") + ".scale" for n in fp4}
+    assert planned["blk.0.ssm_alpha.weight"].qtype.name == "BF16"  # the GDN gates' small projections: kept
+
+
+def test_an_nvfp4_probe_loads_at_full_shape_with_its_scales_and_tags(skeleton, tmp_path):
+    stored = probe_tower.nvfp4_retyped(probe_tower.read_tensors(skeleton), PRESET)
+    sources = probe_tower.choose_layers(stored, PRESET, 4)
+    path = tmp_path / "probe.gguf"
+    probe_tower.write_probe(path, stored, PRESET, sources, tmp_path, nvfp4_a16=True)
+    reader = gguf.GGUFReader(str(path))
+    tensors = {t.name: t for t in reader.tensors}
+    assert tensors["blk.0.attn_qkv.weight"].tensor_type.name == "NVFP4"
+    assert [int(n) for n in tensors["blk.0.ffn_up.weight"].shape] == [512, 1536]
+    assert float(np.asarray(tensors["blk.3.attn_q.scale"].data).view(np.float32)[0]) == 1.0
+    tagged = reader.fields["general.tensor_extra.name"]
+    names = {bytes(tagged.parts[i]).decode() for i in tagged.data}
+    assert names == {n for n, t in tensors.items() if t.tensor_type.name == "NVFP4"}
+    with Tower.load(path, threads=1) as tower:
+        hidden = tower.hidden_states(np.arange(300, 332, dtype=np.int32))
+    assert hidden.shape == (32, 512) and np.isfinite(hidden).all()
+    untagged = tmp_path / "w4a4.gguf"
+    probe_tower.write_probe(untagged, stored, PRESET, sources, tmp_path)
+    assert "general.tensor_extra.name" not in gguf.GGUFReader(str(untagged)).fields

@@ -93,6 +93,7 @@ def test_native_fp4_only_on_blackwell(monkeypatch):
 def test_kernel_names(monkeypatch):
     assert kernel_name("cpu", True) == "dequantizing fallback, layer by layer (W4A4 activations fake-quantized)"
     assert kernel_name("cpu", False) == "dequantizing fallback, layer by layer (weights only)"
+    assert kernel_name("cpu", False, dense=True) == "dense weights dequantized once at load (weights only)"
     monkeypatch.setattr(kernels, "native_fp4", lambda device: True)
     assert kernel_name("cuda", True) == "native FP4 GEMM (torch._scaled_mm, W4A4)"
     assert kernel_name("cuda", False) == "dequantizing fallback, layer by layer (weights only)"

@@ -9,6 +9,7 @@ import pytest
 
 from machine_helpers import H200, RTX5090, X86, box
 from clef_gguf.pick import command as pick
+from clef_gguf.core.errors import InvalidValue
 from clef_gguf.models.machine import GiB, DeviceProfile
 
 
@@ -62,3 +63,24 @@ def test_pick_without_a_gpu_lists_nvfp4_as_not_suitable(monkeypatch, capsys):
     assert pick.run(parser.parse_args(["--no-probe"])) == 0
     out = capsys.readouterr().out
     assert "GPU:  none" in out and "- clef-flash:NVFP4A16 (W4A16) is not suitable here: no CUDA GPU" in out
+    # its NVFP4 GGUF runs here: llama.cpp on the CPU, budgeted as a GGUF of the checkpoint's bytes
+    assert "or clef-flash:nvfp4a16-gguf (this checkpoint through llama.cpp)" in out
+    assert ("as an NVFP4 GGUF, clef-flash:nvfp4a16-gguf (llama.cpp, re-encoded on first use): ~" in out
+            and "fits on the CPU (pick --quants NVFP4A16-GGUF times it)" in out)
+    assert pick.run(parser.parse_args(["--no-probe", "--json"])) == 0
+    data = json.loads(capsys.readouterr().out)
+    gguf = {n["quant"]: n["gguf"] for n in data["recommendation"]["nvfp4"]}
+    assert gguf["NVFP4A16"]["quant"] == "NVFP4A16-GGUF" and gguf["NVFP4A16"]["fits"]
+    # 4 GiB packed + 2 x 2.03 GB of bf16 embeddings and output matrix
+    assert not gguf["NVFP4A16"]["fits_gpu"] and 8e9 < gguf["NVFP4A16"]["size_bytes"] < 9e9
+    table = {r["quant"]: r for r in data["table"]}
+    assert table["NVFP4-GGUF"]["by_name"] and table["NVFP4-GGUF"]["seconds"] is None
+
+
+def test_pick_refuses_an_nvfp4_gguf_the_family_does_not_have(monkeypatch):
+    monkeypatch.setattr(pick, "probe", lambda **_: DeviceProfile(32 * GiB, 26 * GiB, 16, "x86_64", X86))
+    parser = argparse.ArgumentParser()
+    pick.add_arguments(parser)
+    with pytest.raises(InvalidValue, match="NVFP4A8-GGUF not published for clef-flash") as caught:
+        pick.run(parser.parse_args(["--quants", "NVFP4A8-GGUF"]))
+    assert caught.value.field == "quants" and "NVFP4A16-GGUF" in str(caught.value)

@@ -239,6 +239,27 @@ def test_a_picture_adds_its_tokens_and_the_vision_towers_time(small_family, caps
     assert speed.machine_key("small", 128, 1, {}, 64) != speed.machine_key("small", 128, 1, {}, None)
 
 
+def test_the_nvfp4_ggufs_are_timed_when_named_and_never_chosen(small_family, capsys):
+    """An NVFP4 checkpoint's GGUF is probed in its own types (NVFP4 projections with their second
+    scales, ``probe_tower.nvfp4_retyped``) when --quants names it; it stays a by-name row."""
+    assert pick.run(parse("--quants", "NVFP4A16-GGUF,NVFP4-GGUF,Q4_K_M", "--tokens", "128", "--threads", "1",
+                          "--prefer", "speed", "--json")) == 0
+    data = json.loads(capsys.readouterr().out)
+    for quant in ("NVFP4A16-GGUF", "NVFP4-GGUF"):
+        row = data["speed"]["quants"][quant]
+        assert row["error"] is None and row["seconds"] > row["tower_seconds"] > 0, row
+    rows = {r["quant"]: r for r in data["table"]}
+    assert rows["NVFP4A16-GGUF"]["by_name"] and not rows["Q4_K_M"]["by_name"]
+    assert rows["NVFP4A16-GGUF"]["seconds"] == data["speed"]["quants"]["NVFP4A16-GGUF"]["seconds"]
+    assert data["recommendation"]["quant"] == "Q4_K_M"  # the fastest of the candidates: never an NVFP4 GGUF
+    assert pick.run(parse("--quants", "NVFP4A16-GGUF", "--tokens", "128", "--threads", "1")) == 0
+    out = capsys.readouterr().out
+    seconds = data["speed"]["quants"]["NVFP4A16-GGUF"]["seconds"]
+    assert ("as an NVFP4 GGUF, clef-flash:nvfp4a16-gguf (llama.cpp, re-encoded on first use)" in out
+            and f"predicted {seconds:.1f} s for a decision of 128 tokens" in out)
+    assert "(pick --quants NVFP4-GGUF times it)" not in out  # kept from the first pick
+
+
 def test_a_quant_the_build_cannot_make_is_that_rows_error_not_the_probes(small_family):
     table = speed.measure("clef-flash", ["Q4_0", "Q7_X"], tokens=64, threads=1)
     assert table.quants["Q4_0"].seconds > 0

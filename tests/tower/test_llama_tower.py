@@ -257,7 +257,7 @@ def test_packed_and_single_paths_share_the_state_cache(gguf_path, packed_prompts
 
 def test_packing_policy(gguf_path, packed_prompts, monkeypatch):
     """The policy's choice: CPU packs prompts up to its max_tokens, longer ones run alone; a GPU
-    tower does not pack (unmeasured); a packed context that does not fit memory is not made."""
+    tower packs more per call; a packed context that does not fit memory is not made."""
     cpu, gpu = packing.PACKING["cpu"], packing.PACKING["gpu"]
     with Tower.load(gguf_path, n_ctx=cpu.max_tokens + 256, threads=2, n_batch=128) as t:
         assert t.pack_rule is cpu and t.pack_size(cpu.max_tokens) == cpu.pack > 1
@@ -268,10 +268,36 @@ def test_packing_policy(gguf_path, packed_prompts, monkeypatch):
         t.forward_many(packed_prompts, None)
         assert 1 < max(t.pack_stats) <= cpu.pack
         monkeypatch.setattr(Tower, "gpu_layers", property(lambda self: -1))
-        assert t.pack_rule is gpu and t.pack_size(10) == gpu.pack == 1
+        assert t.pack_rule is gpu and t.pack_size(10) == gpu.pack == 16
     monkeypatch.undo()
     with Tower.load(gguf_path, n_ctx=1024, threads=2, n_batch=128) as t:
         monkeypatch.setattr(t._pool, "free_memory", lambda offloaded: 0)  # no room for a packed context
         want = [t.forward(*p, None)[0] for p in packed_prompts]
         got = t.forward_many(packed_prompts, None, pack=4)
         assert not t.pack_stats and all(np.array_equal(g[0], w) for g, w in zip(got, want))
+
+
+def test_a_chunk_flags_no_output_row_and_its_states_are_those_of_batch_get_one(tiny_model_dir, monkeypatch):
+    """llama_batch_get_one made each chunk's last token an output, so the lm_head ran once per chunk for a
+    row nothing reads; the text path now decodes with every position given and no output flagged. The
+    hidden states are the same bytes."""
+    ids = np.random.default_rng(3).integers(300, 600, size=300).astype(np.int32)
+    flags: list[np.ndarray] = []
+    decode = llama.LlamaContext.decode
+
+    def spy(self, batch):
+        flags.append(np.ctypeslib.as_array(batch.logits, shape=(batch.n_tokens,)).copy())
+        return decode(self, batch)
+
+    with Tower.load(from_directory(tiny_model_dir).tower, n_ctx=1024, n_batch=128) as tower:
+        monkeypatch.setattr(llama.LlamaContext, "decode", spy)
+        now = tower.hidden_states(ids)
+        assert [len(f) for f in flags] == [128, 128, 44] and not any(f.any() for f in flags)  # no output row
+        monkeypatch.undo()
+        ctx = tower._ctx
+        ctx.clear()
+        before = []
+        for start, stop in ((0, 128), (128, 256), (256, 300)):  # the old way: llama_batch_get_one
+            ctx.decode_tokens(np.ascontiguousarray(ids[start:stop]))
+            before.append(ctx.rows(stop - start, tower.n_embd))
+        assert np.array_equal(now, np.concatenate(before))

@@ -2,10 +2,11 @@
 
 Blackwell (compute capability 10.x, 11.x, 12.x) has FP4 tensor cores: a W4A4 layer quantizes its
 activations to NVFP4 and runs one ``torch._scaled_mm`` on codes and swizzled block scales. Every
-other device (Hopper has no FP4 MMA, CPUs none either) dequantizes the layer's weight at each call,
-layer by layer so that only one dense weight exists at a time, and runs ``F.linear``; a W4A4 layer
-first fake-quantizes its activations, so the numbers stay those of the FP4 GEMM and not silently
-those of W4A16.
+other device (Hopper has no FP4 MMA, CPUs none either) runs ``F.linear`` on the dequantized weight:
+dequantized once at load when every layer's dense copy fits the device's free memory
+(:meth:`NVFP4Linear.materialize`, the same bits as dequantizing per call), else at each call, layer by
+layer, so that only one dense weight exists at a time. A W4A4 layer first fake-quantizes its
+activations, so the numbers stay those of the FP4 GEMM and not silently those of W4A16.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ FP4_MAJORS = frozenset({10, 11, 12})
 NATIVE = "native FP4 GEMM (torch._scaled_mm, W4A4)"
 FALLBACK = {True: "dequantizing fallback, layer by layer (W4A4 activations fake-quantized)",
             False: "dequantizing fallback, layer by layer (weights only)"}
+DEQUANTIZED = {True: "dense weights dequantized once at load (W4A4 activations fake-quantized)",
+               False: "dense weights dequantized once at load (weights only)"}
 # Buffers whose dtype is the format's: Module.to(dtype) may move them but never cast them.
 FORMAT_BUFFERS = ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale")
 
@@ -43,9 +46,12 @@ def native_fp4(device: torch.device | str) -> bool:
     return _capability_major(device) in FP4_MAJORS
 
 
-def kernel_name(device: torch.device | str, activations: bool) -> str:
-    """What NVFP4Linear runs on ``device``, in words (for one log line)."""
-    return NATIVE if activations and native_fp4(device) else FALLBACK[bool(activations)]
+def kernel_name(device: torch.device | str, activations: bool, dense: bool = False) -> str:
+    """What NVFP4Linear runs on ``device``, in words (for one log line); ``dense``: the weights were
+    dequantized once at load."""
+    if activations and native_fp4(device):
+        return NATIVE
+    return (DEQUANTIZED if dense else FALLBACK)[bool(activations)]
 
 
 def native_shapes(in_features: int, out_features: int) -> bool:
@@ -124,6 +130,21 @@ class NVFP4Linear(torch.nn.Module):
                 self._buffers[name] = moved if moved.dtype == tensor.dtype else tensor.to(moved.device)
         return self
 
+    def native(self, device: torch.device) -> bool:
+        """Whether this layer runs the FP4 GEMM on ``device`` (then a dense copy is never made)."""
+        return self.activations and native_fp4(device) and native_shapes(self.in_features, self.out_features)
+
+    def dense_bytes(self, dtype: torch.dtype) -> int:
+        return 0 if self.native(self.weight_packed.device) else \
+            self.in_features * self.out_features * torch.empty(0, dtype=dtype).element_size()
+
+    def materialize(self, dtype: torch.dtype) -> None:
+        """Keep the dequantized weight (``dtype``, on the layer's device): the tensor each call would
+        make, made once."""
+        if not self.native(self.weight_packed.device):
+            dense = dequantize_weight(self.weight_packed, self.weight_scale, self.weight_global_scale, dtype=dtype)
+            self.register_buffer("dense", dense, persistent=False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if self.activations and native_fp4(x.device) and native_shapes(self.in_features, self.out_features):
@@ -134,8 +155,12 @@ class NVFP4Linear(torch.nn.Module):
         else:
             if self.activations:
                 rows = fake_quantize_activations(rows, self.input_global_scale)
-            weight = dequantize_weight(self.weight_packed.to(x.device), self.weight_scale.to(x.device),
-                                       self.weight_global_scale.to(x.device), dtype=x.dtype)
+            dense = self._buffers.get("dense")
+            if dense is not None and dense.dtype == x.dtype and dense.device == x.device:
+                weight = dense
+            else:
+                weight = dequantize_weight(self.weight_packed.to(x.device), self.weight_scale.to(x.device),
+                                           self.weight_global_scale.to(x.device), dtype=x.dtype)
             bias = None if self.bias is None else self.bias.to(device=x.device, dtype=x.dtype)
             y = F.linear(rows, weight, bias)
         return y.reshape(*x.shape[:-1], self.out_features)

@@ -63,6 +63,7 @@ class TextModel:
 
     def __init__(self, checkpoint: Checkpoint, *, device: torch.device, dtype: torch.dtype) -> None:
         _, modeling = _transformers()
+        self.modeling = modeling  # transformers' modeling_qwen3_5: which kernels it bound (linear_kernels)
         self.config = text_config(checkpoint)
         self.device, self.dtype = device, dtype
         with torch.device("meta"):
@@ -102,6 +103,18 @@ class TextModel:
         self.model = model.eval()
         self.hidden_size = self.config.hidden_size
         self.vocab_size = self.config.vocab_size
+
+    def quantized(self) -> list[NVFP4Linear]:
+        return [m for m in self.model.modules() if isinstance(m, NVFP4Linear)]
+
+    def dense_bytes(self) -> int:
+        """Bytes of every quantized layer's dense copy in the compute dtype (the native FP4 ones need none)."""
+        return sum(m.dense_bytes(self.dtype) for m in self.quantized())
+
+    def materialize(self) -> None:
+        """Dequantize every quantized layer once, keeping the dense weights (``NVFP4Linear.materialize``)."""
+        for m in self.quantized():
+            m.materialize(self.dtype)
 
     def new_cache(self) -> DynamicCache:
         from transformers.cache_utils import DynamicCache
@@ -156,3 +169,18 @@ class TextModel:
         out = self.model(inputs_embeds=embeds, position_ids=positions, past_key_values=cache,
                          use_cache=cache is not None)
         return out.last_hidden_state[0]
+
+    @torch.inference_mode()
+    def hidden_many(self, prompts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Final hidden states of several fresh prompts in one forward (no cache): the rows are
+        right-padded to the longest, each at positions 0.. . Attention is causal and so are the
+        linear attention's convolution and recurrence, so no token sees the padding after it: each
+        row's states are its prompt's alone (up to the float rounding of a batched matmul)."""
+        longest = max(len(p) for p in prompts)
+        ids = torch.zeros((len(prompts), longest), dtype=torch.long, device=self.device)
+        for row, prompt in enumerate(prompts):
+            ids[row, :len(prompt)] = prompt.to(self.device, torch.long)
+        embeds = F.embedding(ids, self.model.embed_tokens.weight).to(self.dtype)
+        positions = torch.arange(longest, device=self.device)[None].expand(len(prompts), -1)
+        out = self.model(inputs_embeds=embeds, position_ids=positions, use_cache=False)
+        return [out.last_hidden_state[row, :len(prompt)] for row, prompt in enumerate(prompts)]

@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -23,9 +23,10 @@ from clef_gguf.core.limits import CONTEXT_WINDOW
 from clef_gguf.core.errors import ClefError, InvalidSetting
 from clef_gguf.pipeline.mediaprompt import MediaPrompt
 from clef_gguf.tower.nvfp4.checkpoint import Checkpoint
+from clef_gguf.tower.nvfp4 import linear_kernels
 from clef_gguf.tower.nvfp4.kernels import kernel_name
 from clef_gguf.tower.nvfp4.model import TextModel
-from clef_gguf.tower.cache import StateCache
+from clef_gguf.tower.cache import StateCache, usable
 from clef_gguf.tower.protocol import Forwarded, Prompt, check_pack
 from clef_gguf.tower.schedule import Schedule
 
@@ -36,8 +37,22 @@ log = logging.getLogger("clef_gguf.tower.nvfp4")
 # Compute dtype per device: fp32 on the CPU (the reference's numerics; bf16 matmuls are slow
 # there), bf16 on CUDA (what the checkpoints' own runtime uses).
 DTYPES = {"cpu": torch.float32, "cuda": torch.bfloat16}
-CPU_WARNING = ("the nvfp4 backend is running on the CPU (no CUDA device): weights are dequantized "
-               "layer by layer at every call, which is slow; a GGUF quant is the fast CPU path")
+# The share of the device's free memory the dense copies of every quantized layer may take; over it,
+# each call dequantizes its layer (one dense weight at a time: the small-GPU path).
+DENSE_SHARE = 0.5
+GIB = 1 << 30
+# what ``nvfp4_dtype`` may ask for instead (fp32 on CUDA: like-for-like checks against the CPU)
+COMPUTE_DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32}
+# Prompts per forward (``forward_many``'s policy): on CUDA a forward of one prompt leaves most of the
+# card idle, so fresh prompts of up to PACK_MAX_TOKENS share one, at most PACK_TOKENS padded tokens
+# in all (what a 9B forward's activations take in bf16: ~1.5 GiB). Not yet measured on a GPU: the
+# GPU check's nvfp4 row times it. On the CPU this backend is the slow reference path: one at a time.
+PACK = {"cpu": 1, "cuda": 16}
+PACK_MAX_TOKENS = 2048
+PACK_TOKENS = 16384
+CPU_WARNING = ("the nvfp4 backend is running on the CPU (no CUDA device): PyTorch's reference code for "
+               "the linear attention, slow next to a GGUF quant, the fast CPU path (convert --outtype nvfp4-gguf "
+               "runs this very checkpoint in llama.cpp)")
 
 
 @dataclass(frozen=True)
@@ -46,6 +61,15 @@ class _CacheCopy:
 
     cache: DynamicCache
     nbytes: int
+
+
+def free_bytes(device: torch.device) -> int:
+    """Free memory where the weights live: the CUDA device's, or the host's available RAM."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    import psutil
+
+    return int(psutil.virtual_memory().available)
 
 
 def pick_device(gpu_layers: int | str) -> torch.device:
@@ -91,6 +115,11 @@ class CacheSequences:
         hidden = self.model.hidden(torch.from_numpy(ids.astype(np.int64)), cache, past, runs, mrope)
         return hidden.float().cpu().numpy()
 
+    def decode_many(self, prompts: list[np.ndarray]) -> list[np.ndarray]:
+        """Hidden states of several prompts decoded from scratch together (``TextModel.hidden_many``)."""
+        hidden = self.model.hidden_many([torch.from_numpy(ids.astype(np.int64)) for ids in prompts])
+        return [h.float().cpu().numpy() for h in hidden]
+
     def begin(self) -> DynamicCache:
         return self.model.new_cache()
 
@@ -107,28 +136,55 @@ class CacheSequences:
         return _CacheCopy(self.model.copy_cache(seq), size)
 
 
+def packs(prompts: list[tuple[int, np.ndarray]], size: int) -> list[list[tuple[int, np.ndarray]]]:
+    """``prompts`` in forwards of up to ``size`` prompts and :data:`PACK_TOKENS` padded tokens,
+    by length (least padding)."""
+    groups: list[list[tuple[int, np.ndarray]]] = []
+    for item in sorted(prompts, key=lambda p: len(p[1])):
+        group = groups[-1] if groups else None
+        # sorted by length: this prompt is the longest of the group it joins
+        if group is None or len(group) >= size or (len(group) + 1) * len(item[1]) > PACK_TOKENS:
+            groups.append([item])
+        else:
+            group.append(item)
+    return groups
+
+
 class NVFP4Tower:
     """The tower in PyTorch on an NVFP4 checkpoint's weights (``protocol.LanguageTower``)."""
 
-    def __init__(self, checkpoint: Checkpoint, model: TextModel, n_ctx: int, threads: int) -> None:
+    def __init__(self, checkpoint: Checkpoint, model: TextModel, n_ctx: int, threads: int,
+                 dense: bool = False) -> None:
         self.checkpoint, self.model = checkpoint, model
         self.path = checkpoint.directory
         self._threads = threads
         self._lock = threading.Lock()
         self._seqs = CacheSequences(model, n_ctx)
         self._schedule: Schedule[DynamicCache, _CacheCopy] = Schedule(self._seqs, self._lock)
-        self.kernel = kernel_name(model.device, checkpoint.scheme.activations)
+        self.kernel = kernel_name(model.device, checkpoint.scheme.activations, dense=dense)
+        self.linear_kernels = linear_kernels.bound(model.modeling)
 
     @classmethod
     def load(cls, config_path: str | Path, *, n_ctx: int = CONTEXT_WINDOW, threads: int | None = None,
-             gpu_layers: int | str = "auto") -> NVFP4Tower:
+             gpu_layers: int | str = "auto", dtype: str = "auto") -> NVFP4Tower:
+        """``dtype``: the compute dtype, bf16 or fp32; auto: ``DTYPES`` (bf16 on CUDA, fp32 on the CPU)."""
         check_threads(threads)
         device = pick_device(gpu_layers)
+        if dtype not in COMPUTE_DTYPES:
+            raise InvalidSetting(f"nvfp4_dtype must be one of {', '.join(COMPUTE_DTYPES)} (got {dtype!r})",
+                                 field="nvfp4_dtype")
         checkpoint = Checkpoint(config_path)
         threads = threads or available_cpus()
         set_torch_threads(threads)
-        model = TextModel(checkpoint, device=device, dtype=DTYPES[device.type])
-        tower = cls(checkpoint, model, n_ctx, threads)
+        model = TextModel(checkpoint, device=device, dtype=COMPUTE_DTYPES[dtype] or DTYPES[device.type])
+        need, free = model.dense_bytes(), free_bytes(device)
+        dense = 0 < need <= DENSE_SHARE * free
+        if dense:
+            model.materialize()
+        log.info("nvfp4 weights %s: %.2f GiB dense against %.2f GiB free on %s",
+                 "dequantized once at load" if dense else "dequantized at each call", need / GIB, free / GIB, device)
+        tower = cls(checkpoint, model, n_ctx, threads, dense=dense)
+        log.info(linear_kernels.describe(tower.linear_kernels))
         if device.type == "cpu":
             log.warning(CPU_WARNING)
         log.info("nvfp4 tower (%s) on %s: %s", checkpoint.scheme.name, device, tower.kernel)
@@ -155,6 +211,11 @@ class NVFP4Tower:
         return -1 if self.model.device.type == "cuda" else 0
 
     @property
+    def cuda_device(self) -> int | None:
+        device = self.model.device
+        return (device.index or 0) if device.type == "cuda" else None
+
+    @property
     def uses_nextn(self) -> bool:
         return True  # lm_head is never run over the prompt: only option rows are read
 
@@ -167,11 +228,12 @@ class NVFP4Tower:
         return self._seqs.closed
 
     def details(self) -> dict[str, str]:
-        return {"kernel": self.kernel, "device": self.device}
+        return {"kernel": self.kernel, "device": self.device, "dtype": str(self.model.dtype).removeprefix("torch."),
+                "linear_kernels": linear_kernels.describe(self.linear_kernels)}
 
     def pack_size(self, n_tokens: int) -> int:
-        """1: this tower decodes one prompt at a time."""
-        return 1
+        """How many prompts of ``n_tokens`` :data:`PACK` decodes in one forward on this device."""
+        return PACK[self.model.device.type] if n_tokens <= PACK_MAX_TOKENS else 1
 
     def forward(self, ids: np.ndarray, prefix: int, state: int,
                 cache: StateCache | None = None, media: MediaPrompt | None = None) -> Forwarded:
@@ -181,9 +243,48 @@ class NVFP4Tower:
 
     def forward_many(self, prompts: list[Prompt], cache: StateCache | None = None, *,
                      pack: int | None = None) -> list[Forwarded | ClefError]:
-        """``forward`` for each prompt in turn (``pack`` is checked; every prompt runs alone)."""
+        """``forward`` for each prompt, in order, a prompt's ClefError in its place.
+
+        Up to ``pack`` prompts (None: :meth:`pack_size`'s policy) that the cache cannot serve are
+        decoded whole, from scratch, in one forward (:func:`packs`); their hidden states agree with
+        ``forward``'s segmented schedule to float rounding, and their whole prompts are cached (not
+        their ``[prefix][state]``). A prompt seen before, one whose ``[prefix][state]`` is cached, and
+        a second copy of a prompt in the same call run one at a time, restoring what is cached."""
         check_pack(pack)
-        return self._schedule.forward_each(prompts, cache)
+        cache = usable(cache)
+        schedule = self._schedule
+        results: list[Forwarded | ClefError | None] = [None] * len(prompts)
+        with self._lock:
+            packable: list[tuple[int, np.ndarray]] = []
+            alone: list[tuple[int, np.ndarray, int, int]] = []
+            claimed: set[bytes] = set()
+            for i, (ids, prefix, state) in enumerate(prompts):
+                try:
+                    ids = schedule.check(ids)
+                except ClefError as exc:
+                    results[i] = exc
+                    continue
+                want = self.pack_size(len(ids)) if pack is None else pack
+                fresh = (want > 1 and ids.tobytes() not in claimed and schedule.cached_prompt(ids, cache) is None
+                         and not schedule.state_cached(ids, prefix, state, cache))
+                if fresh:
+                    claimed.add(ids.tobytes())
+                    packable.append((i, ids))
+                else:
+                    alone.append((i, ids, prefix, state))
+            size = PACK[self.model.device.type] if pack is None else pack
+            for group in packs(packable, size):
+                if len(group) == 1:  # alone, on the canonical schedule (its states kept)
+                    i, ids = group[0]
+                    alone.append((i, ids, prompts[i][1], prompts[i][2]))
+                    continue
+                hidden = self._seqs.decode_many([ids for _, ids in group])
+                for (i, ids), h in zip(group, hidden):
+                    schedule.remember(ids, h, cache)
+                    results[i] = (h, 0)
+            for i, ids, prefix, state in alone:
+                results[i] = schedule.forward_held(ids, prefix, state, cache)
+        return cast("list[Forwarded | ClefError]", results)  # every prompt has its result now
 
     def hidden_states(self, ids: np.ndarray) -> np.ndarray:
         """Hidden states of one prompt decoded from scratch, as one segment (no reuse)."""
