@@ -299,9 +299,9 @@ def checkpoint_candidates(profile: DeviceProfile, family: Family, *, context_tok
                 **common, mode="cpu", gpu=None, need_bytes=need, budget_bytes=host, fits=need <= host,
                 suitable=False, reason=(f"{name} ({ck.scheme}) is not suitable here: no CUDA GPU, so the nvfp4 "
                                         "backend would run its dequantizing fallback on the CPU (slow; "
-                                        f"{gib(need)} of RAM at {ctx}); use a GGUF quant, or "
-                                        f"{family.name}:{(ck.quant + GGUF_SUFFIX).lower()} (this checkpoint "
-                                        "through llama.cpp).")))
+                                        f"{gib(need)} of RAM at {ctx}); use a GGUF K-quant, the fast CPU path "
+                                        f"({family.name}:{(ck.quant + GGUF_SUFFIX).lower()} runs this checkpoint "
+                                        "through llama.cpp, slower still on a CPU).")))
             continue
         options = []
         for gpu in gpus:

@@ -17,10 +17,20 @@ rm -f "$out"/whl/clef_gguf-*.whl
 python3 -m pip wheel -q --no-deps -w "$out/whl" "$root"  # setuptools as pyproject pins it
 plat=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none
       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
-# serve and bench-server; the speed probe's RAM probe is in the image (psutil); fla-core: the linear
-# attention's Triton kernels for the nvfp4 backend (pure Python; its einops with it)
+# serve and bench-server (fastapi imports annotated-doc and opentelemetry-api at load), at the versions
+# the suite tested (requirements/test.txt); the speed probe's RAM probe is in the image (psutil);
+# fla-core: the linear attention's Triton kernels for the nvfp4 backend (pure Python; its einops with it)
+pinned() {  # NAME -> NAME==VERSION as requirements/test.txt pins it
+  local line
+  line="$(grep -i -m1 "^$1==" "$root/requirements/test.txt")" || { echo "gpu-bundle: $1 is not pinned in requirements/test.txt" >&2; exit 1; }
+  echo "$line"
+}
 for p in fastapi starlette uvicorn h11 anyio sniffio click prometheus-client httpx httpcore certifi idna \
-         fla-core==0.6.0 einops filelock; do
+         annotated-doc opentelemetry-api filelock; do
+  spec="$(pinned "$p")"
+  python3 -m pip download -q --no-deps "${plat[@]}" -d "$out/whl" "$spec"
+done
+for p in fla-core==0.6.0 einops==0.8.1; do
   python3 -m pip download -q --no-deps "${plat[@]}" -d "$out/whl" "$p"
 done
 du -sh "$out"

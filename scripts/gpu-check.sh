@@ -37,6 +37,15 @@ else
   echo "usage: bash scripts/gpu-check.sh BUNDLE [options] | --dry-run [options] | --install-only BUNDLE" >&2
   exit 2
 fi
+# The options left: a --report FILE is taken here, made absolute before the folder changes below.
+rest=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --report) report="$(realpath -m "${2:?--report needs a FILE}")"; shift 2 ;;
+    --report=*) report="$(realpath -m "${1#--report=}")"; shift ;;
+    *) rest+=("$1"); shift ;;
+  esac
+done
 # From a folder with no clef_gguf/ in it: `python -m` there imports the installed package, never the clone's.
 cd "$(mktemp -d)"
-exec python3 "$root/scripts/gpu_check.py" --report "$report" "${args[@]}" "$@"
+exec python3 "$root/scripts/gpu_check.py" --report "$report" "${args[@]}" "${rest[@]}"

@@ -77,6 +77,7 @@ def test_the_dry_run_runs_every_row_on_the_cpu_into_one_report(tmp_path):
     rows = {r["name"]: r for r in report["rows"]}
     assert {r["status"] for r in rows.values()} <= {"passed", "measured"}, rows
     assert rows["parity"]["max_abs_dp"] == 0.0 and rows["parity"]["placed"] == {"gpu_layers": 0, "head_device": "cpu"}
+    assert rows["parity"]["packed_vs_one_max_abs_dp"] == 0.0  # the CPU's packing is byte-identical
     first = rows["latency"]["by_tokens"]["64"]
     assert first["head_ms"]["median"] > 0 and first["tower_ms"]["min"] <= first["tower_ms"]["median"]
     assert {(k["weights"], k["attention"], k["n_batch"]) for k in rows["kernels"]["rows"]} >= {
@@ -96,6 +97,16 @@ def test_rows_the_deadline_leaves_no_time_for_are_skipped_not_failed(tmp_path):
     assert proc.returncode == 0 and report["finished"] and report["failed"] == []
     assert statuses[0] == "passed" and statuses[-1] == "skipped" and "pending" not in statuses
     assert all("deadline" in r["reason"] for r in report["rows"] if r["status"] == "skipped")
+
+
+def test_a_relative_report_path_is_the_callers_folders(tmp_path):
+    """gpu-check.sh runs the check from a scratch folder: a relative --report still lands where it was asked."""
+    for argv in (["--report", "here.json"], ["--report=there.json"]):
+        proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu-check.sh"), "--dry-run", "--rows", "preflight",
+                               *argv], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr
+    for name in ("here.json", "there.json"):
+        assert json.loads((tmp_path / name).read_text())["rows"][0]["name"] == "preflight"
 
 
 def test_a_row_that_fails_is_reported_so_and_fails_the_check(tmp_path, monkeypatch):

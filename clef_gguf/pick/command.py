@@ -79,8 +79,8 @@ def measure_speed(args: argparse.Namespace, profile: DeviceProfile, rec: Recomme
     """The speed table for ``rec``'s candidates that fit (or ``--quants``), None with ``--no-probe``."""
     if args.no_probe:
         return None
-    known = {c.quant.upper(): c for c in rec.candidates}
-    known |= {c.gguf.quant.upper(): c.gguf for c in rec.nvfp4 if c.gguf is not None}  # timed when asked for
+    candidates = {c.quant.upper(): c for c in rec.candidates}
+    known = candidates | {c.gguf.quant.upper(): c.gguf for c in rec.nvfp4 if c.gguf is not None}  # when named
     if args.quants:
         unknown = [q for q in args.quants if q not in known]
         if unknown:
@@ -88,7 +88,7 @@ def measure_speed(args: argparse.Namespace, profile: DeviceProfile, rec: Recomme
                                f"(choose from {', '.join(known)})", field="quants")
         wanted = list(args.quants)
     else:
-        wanted = [q for q, c in known.items() if c.fits]
+        wanted = [q for q, c in candidates.items() if c.fits]  # the NVFP4 GGUFs only by name
     if not wanted:
         return None
     placed = {q: gpu_layers(profile, known[q].size_bytes, rec.family, context_tokens=args.ctx) for q in wanted}

@@ -205,6 +205,21 @@ def test_packing_keeps_what_the_cache_serves(clef):
     assert np.array_equal(got[4][0], got[2][0])
 
 
+def test_a_pack_the_device_cannot_hold_runs_one_at_a_time(clef, monkeypatch, caplog):
+    tower = clef.tower
+    prompts = [(e.ids, e.prefix_tokens, e.state_tokens) for e in (clef.prepare(r).encoded for r in SAMPLE_REQUESTS[:3])]
+    want = tower.forward_many(prompts, None, pack=1)
+
+    def out_of_memory(ids):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+
+    monkeypatch.setattr(tower._seqs, "decode_many", out_of_memory)
+    with caplog.at_level("WARNING", logger="clef_gguf.tower.nvfp4"):
+        got = tower.forward_many(prompts, None, pack=3)
+    assert "3 prompts" in caplog.text and "one at a time" in caplog.text
+    assert all(np.array_equal(g[0], w[0]) and g[1] == w[1] for g, w in zip(got, want))
+
+
 def test_the_policy_packs_on_cuda_only_and_the_engine_follows_it(model_dir, monkeypatch):
     from clef_gguf.tower.nvfp4 import tower as nvfp4_tower
 

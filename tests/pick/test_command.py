@@ -64,7 +64,7 @@ def test_pick_without_a_gpu_lists_nvfp4_as_not_suitable(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "GPU:  none" in out and "- clef-flash:NVFP4A16 (W4A16) is not suitable here: no CUDA GPU" in out
     # its NVFP4 GGUF runs here: llama.cpp on the CPU, budgeted as a GGUF of the checkpoint's bytes
-    assert "or clef-flash:nvfp4a16-gguf (this checkpoint through llama.cpp)" in out
+    assert "use a GGUF K-quant, the fast CPU path (clef-flash:nvfp4a16-gguf runs this checkpoint" in out
     assert ("as an NVFP4 GGUF, clef-flash:nvfp4a16-gguf (llama.cpp, re-encoded on first use): ~" in out
             and "fits on the CPU (pick --quants NVFP4A16-GGUF times it)" in out)
     assert pick.run(parser.parse_args(["--no-probe", "--json"])) == 0
@@ -84,3 +84,15 @@ def test_pick_refuses_an_nvfp4_gguf_the_family_does_not_have(monkeypatch):
     with pytest.raises(InvalidValue, match="NVFP4A8-GGUF not published for clef-flash") as caught:
         pick.run(parser.parse_args(["--quants", "NVFP4A8-GGUF"]))
     assert caught.value.field == "quants" and "NVFP4A16-GGUF" in str(caught.value)
+
+
+def test_pick_times_the_nvfp4_ggufs_only_when_named(monkeypatch):
+    monkeypatch.setattr(pick, "probe", lambda **_: DeviceProfile(32 * GiB, 26 * GiB, 16, "x86_64", X86))
+    asked: list[list[str]] = []
+    monkeypatch.setattr(pick.speed, "measure", lambda family, quants, **_: asked.append(list(quants)))
+    parser = argparse.ArgumentParser()
+    pick.add_arguments(parser)
+    pick.run(parser.parse_args([]))
+    pick.run(parser.parse_args(["--quants", "Q4_K_M,NVFP4-GGUF"]))
+    assert asked[0] and not [q for q in asked[0] if q.endswith("-GGUF")] and "Q4_K_M" in asked[0]
+    assert asked[1] == ["Q4_K_M", "NVFP4-GGUF"]

@@ -3,7 +3,7 @@
 Blackwell (compute capability 10.x, 11.x, 12.x) has FP4 tensor cores: a W4A4 layer quantizes its
 activations to NVFP4 and runs one ``torch._scaled_mm`` on codes and swizzled block scales. Every
 other device (Hopper has no FP4 MMA, CPUs none either) runs ``F.linear`` on the dequantized weight:
-dequantized once at load when every layer's dense copy fits the device's free memory
+dequantized once at load when every layer's dense copy fits half the device's free memory
 (:meth:`NVFP4Linear.materialize`, the same bits as dequantizing per call), else at each call, layer by
 layer, so that only one dense weight exists at a time. A W4A4 layer first fake-quantizes its
 activations, so the numbers stay those of the FP4 GEMM and not silently those of W4A16.
