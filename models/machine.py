@@ -18,8 +18,8 @@ from typing import Any
 
 import psutil
 
-GiB = 1 << 30
-MiB = 1 << 20
+from clef_gguf.core.limits import MiB
+
 # Compute capability majors with FP4 tensor cores (docs/design/nvfp4.md §3): sm_100/103 (B200, B300,
 # GB200/GB300), sm_110 (Jetson Thor), sm_120/121 (RTX 50xx, RTX PRO Blackwell, DGX Spark). Hopper (9.0)
 # and older have no FP4 MMA, so the nvfp4 backend dequantizes there (section 4).

@@ -24,9 +24,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from clef_gguf.core.errors import NoQuantFits
-from clef_gguf.core.limits import CONTEXT_WINDOW
+from clef_gguf.core.limits import CONTEXT_WINDOW, GiB, MiB
 from clef_gguf.models.catalog import GGUF_SUFFIX, Catalog, Family, load_catalog
-from clef_gguf.models.machine import GPU, DeviceProfile, GiB, MiB, native_fp4
+from clef_gguf.models.machine import GPU, DeviceProfile, native_fp4
 
 DEFAULT_CONTEXT = CONTEXT_WINDOW
 # A size that is only estimated gets a safety margin, so "fits" stays true when the real file arrives.

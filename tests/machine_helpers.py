@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from clef_gguf.models.machine import GPU, GiB, DeviceProfile
+from clef_gguf.core.limits import GiB
+from clef_gguf.models.machine import GPU, DeviceProfile
 
 X86 = frozenset({"avx2", "fma"})
 

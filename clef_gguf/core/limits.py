@@ -8,6 +8,9 @@ model of ``pick`` all start from it. ``models/`` may import this module (tests/t
 from typing import Literal, get_args
 
 CONTEXT_WINDOW = 16384
+# Binary byte units, for budgets and messages.
+MiB = 1 << 20
+GiB = 1 << 30
 # The vision cache's default budget in MiB (``clef_gguf.vision.cache``), here so that the load settings
 # name it without importing torch: one Clef-Flash 448x448 picture is 196 tokens x 4096 floats (~3 MiB),
 # so about 80 such pictures.

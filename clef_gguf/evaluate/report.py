@@ -10,8 +10,9 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from clef_gguf.core.limits import GiB
+
 MB = 1 << 20
-GIB = 1 << 30
 
 
 def _f(x: Any, digits: int = 4) -> str:
@@ -57,7 +58,7 @@ def per_gib(s: dict[str, Any]) -> float | None:
     a = (s.get("agreement") or {}).get("overall")
     if not a or not a.get("n") or not s["cost"]["tower_bytes"]:
         return None
-    return a["top1"] / (s["cost"]["tower_bytes"] / GIB)
+    return a["top1"] / (s["cost"]["tower_bytes"] / GiB)
 
 
 def label_cells(s: dict[str, Any]) -> list[str]:

@@ -16,6 +16,7 @@ import torch
 
 from clef_gguf.core import errors
 from clef_gguf.core.cpus import set_torch_threads
+from clef_gguf.core.limits import MiB
 from clef_gguf.formats import calibration as calibration_file
 from clef_gguf.formats import files as model_files
 from clef_gguf.heads import head_scalars, load_head
@@ -28,8 +29,6 @@ from clef_gguf.runtime.registry import M, Models
 from clef_gguf.runtime.settings import LoadSettings
 from clef_gguf.tower.cache import StateCache
 from clef_gguf.vision.cache import VisionCache
-
-MiB = 1 << 20
 
 log = logging.getLogger("clef_gguf")
 

@@ -21,7 +21,8 @@ from clef_gguf.formats.files import from_directory
 from clef_gguf.models import hub, listing, pins, placement
 from clef_gguf.pick import catalog_commands as commands
 from clef_gguf.models.catalog import CATALOG_ENV, Catalog
-from clef_gguf.models.machine import GiB, DeviceProfile
+from clef_gguf.core.limits import GiB
+from clef_gguf.models.machine import DeviceProfile
 
 HEAD_REPO, TOWER_REPO = "test-org/clef-flash", "test-org/clef-flash-GGUF"
 W4A4_REPO, W4A16_REPO, BROKEN_REPO = "test-org/clef-flash-NVFP4", "test-org/clef-flash-NVFP4A16", "test-org/broken"

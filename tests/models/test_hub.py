@@ -10,7 +10,8 @@ import pytest
 from _fakehub import FakeHub, cli_parsers, head_source, point_at, sha256
 from clef_gguf.models import hub, listing
 from clef_gguf.pick import catalog_commands as commands
-from clef_gguf.models.machine import GiB, DeviceProfile
+from clef_gguf.core.limits import GiB
+from clef_gguf.models.machine import DeviceProfile
 from clef_gguf.core.errors import ConversionError, CorruptModel, ModelNotFound, NoQuantFits
 from clef_gguf.models.catalog import Catalog
 

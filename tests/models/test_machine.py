@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 from clef_gguf.models import machine
-from clef_gguf.models.machine import GPU, GiB, MiB, DeviceProfile
+from clef_gguf.core.limits import GiB, MiB
+from clef_gguf.models.machine import GPU, DeviceProfile
 
 
 def test_probe_on_this_machine_is_sane():

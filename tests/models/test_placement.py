@@ -8,7 +8,8 @@ import pytest
 
 from clef_gguf.core.errors import NoQuantFits
 from clef_gguf.models import Catalog, placement
-from clef_gguf.models.machine import GPU, GiB, MiB, DeviceProfile
+from clef_gguf.core.limits import GiB, MiB
+from clef_gguf.models.machine import GPU, DeviceProfile
 from clef_gguf.models.placement import recommend
 
 

@@ -7,7 +7,8 @@ import pytest
 
 from machine_helpers import B200, H200, RTX5060_8GB, RTX5090, X86, box
 from clef_gguf.models import Catalog
-from clef_gguf.models.machine import GPU, GiB, DeviceProfile
+from clef_gguf.core.limits import GiB
+from clef_gguf.models.machine import GPU, DeviceProfile
 from clef_gguf.models.placement import recommend
 
 

@@ -79,7 +79,7 @@ def test_the_tower_is_the_reference_model_on_the_dequantized_weights(clef, schem
     with Clef.load(model_dir, state_cache_mb=0, nvfp4_dtype="bf16") as ours16:
         got = ours16.tower.hidden_states(enc.ids)
     want = reference.reference_hidden_states(bf16, enc.ids)
-    dp = np.abs(_probabilities(clef, enc, got) - _probabilities(clef, enc, want)).max()
+    dp = np.abs(clef.probabilities_of(enc, got) - clef.probabilities_of(enc, want)).max()
     assert 0 < dp < BF16_BARS[scheme]  # bf16 is not fp32 (0 would mean fp32 ran), and close to the reference
 
 
@@ -156,10 +156,6 @@ def test_the_tower_is_a_language_tower_and_runs_many_one_by_one(clef):
         tower.forward_many(prompts, None, pack=0)
 
 
-def _probabilities(clef, enc, hidden) -> np.ndarray:
-    return np.concatenate(split_probabilities(head_logits(clef.head, clef.lexical, enc, hidden)[0], enc.option_counts))
-
-
 def test_packed_prompts_agree_with_one_at_a_time(clef, scheme, monkeypatch):
     tower = clef.tower
     requests = [REQUEST, {**REQUEST, "questions": {"bug": {"type": "noul"}}}, SAMPLE_REQUESTS[0], *SAMPLE_REQUESTS[2:]]
@@ -177,7 +173,7 @@ def test_packed_prompts_agree_with_one_at_a_time(clef, scheme, monkeypatch):
     worst = 0.0
     for enc, i in zip(encoded, good):
         assert got[i][1] == 0 and got[i][0].shape == want[i][0].shape
-        diff = _probabilities(clef, enc, got[i][0]) - _probabilities(clef, enc, want[i][0])
+        diff = clef.probabilities_of(enc, got[i][0]) - clef.probabilities_of(enc, want[i][0])
         worst = max(worst, float(np.abs(diff).max()))
     # fp32: NVFP4A16's packed probabilities are one-at-a-time's to float rounding. W4A4 rounds the
     # activations to FP4 codes, where a rounding difference can cross a code boundary (see above).

@@ -10,7 +10,8 @@ import pytest
 from machine_helpers import H200, RTX5090, X86, box
 from clef_gguf.pick import command as pick
 from clef_gguf.core.errors import InvalidValue
-from clef_gguf.models.machine import GiB, DeviceProfile
+from clef_gguf.core.limits import GiB
+from clef_gguf.models.machine import DeviceProfile
 
 
 @pytest.mark.parametrize("as_json", [False, True])

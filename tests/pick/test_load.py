@@ -14,7 +14,8 @@ import pytest
 
 from clef_gguf.pick import command as pick
 from clef_gguf.pick import load, speed
-from clef_gguf.models.machine import DeviceProfile, GiB
+from clef_gguf.core.limits import GiB
+from clef_gguf.models.machine import DeviceProfile
 from machine_helpers import X86
 
 SPIN = "import time\nt = time.time()\nwhile time.time() - t < {s}: pass\nprint('done', flush=True)"

@@ -17,7 +17,8 @@ from clef_gguf.core import errors
 from clef_gguf.core.errors import InvalidValue
 from clef_gguf.pick import command as pick
 from clef_gguf.pick import speed
-from clef_gguf.models.machine import GiB, DeviceProfile
+from clef_gguf.core.limits import GiB
+from clef_gguf.models.machine import DeviceProfile
 from clef_gguf.models.placement import recommend
 
 BOX = DeviceProfile(32 * GiB, 26 * GiB, 2, "x86_64", X86)

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from clef_gguf.core.cpus import available_cpus, check_threads, set_torch_threads
-from clef_gguf.core.limits import CONTEXT_WINDOW
+from clef_gguf.core.limits import CONTEXT_WINDOW, GiB
 from clef_gguf.core.errors import ClefError, InvalidSetting
 from clef_gguf.pipeline.mediaprompt import MediaPrompt
 from clef_gguf.tower.nvfp4.checkpoint import Checkpoint
@@ -27,6 +27,7 @@ from clef_gguf.tower.nvfp4 import linear_kernels
 from clef_gguf.tower.nvfp4.kernels import kernel_name
 from clef_gguf.tower.nvfp4.model import TextModel
 from clef_gguf.tower.cache import StateCache, usable
+from clef_gguf.tower.packing import host_free_memory
 from clef_gguf.tower.protocol import Forwarded, Prompt, check_pack
 from clef_gguf.tower.schedule import Schedule
 
@@ -40,7 +41,6 @@ DTYPES = {"cpu": torch.float32, "cuda": torch.bfloat16}
 # The share of the device's free memory the dense copies of every quantized layer may take; over it,
 # each call dequantizes its layer (one dense weight at a time: the small-GPU path).
 DENSE_SHARE = 0.5
-GIB = 1 << 30
 # what ``nvfp4_dtype`` may ask for instead (fp32 on CUDA: like-for-like checks against the CPU)
 COMPUTE_DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32}
 # Prompts per forward (``forward_many``'s policy): on CUDA a forward of one prompt leaves most of the
@@ -68,9 +68,7 @@ def free_bytes(device: torch.device) -> int:
     """Free memory where the weights live: the CUDA device's, or the host's available RAM."""
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
-    import psutil
-
-    return int(psutil.virtual_memory().available)
+    return host_free_memory(False)
 
 
 def pick_device(gpu_layers: int | str) -> torch.device:
@@ -183,7 +181,7 @@ class NVFP4Tower:
         if dense:
             model.materialize()
         log.info("nvfp4 weights %s: %.2f GiB dense against %.2f GiB free on %s",
-                 "dequantized once at load" if dense else "dequantized at each call", need / GIB, free / GIB, device)
+                 "dequantized once at load" if dense else "dequantized at each call", need / GiB, free / GiB, device)
         tower = cls(checkpoint, model, n_ctx, threads, dense=dense)
         log.info(linear_kernels.describe(tower.linear_kernels))
         if device.type == "cpu":
