@@ -1,6 +1,6 @@
 """The speed probe's child process, run and read: ``speed_run`` in a process of its own (a ggml abort in
 one quant's quantizer must not take ``pick`` down), its lines read as they come, each quant's window of
-machine load (``load.Meter``) recorded beside its measurement, the deadline kept."""
+machine load (``contention.Meter``) recorded beside its measurement, the deadline kept."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from clef_gguf.core.children import module_command
-from clef_gguf.pick.load import Meter
+from clef_gguf.pick.contention import Meter
 
 TAIL_CHARS = 2000  # of the child's stderr, kept for a failure's message
 
