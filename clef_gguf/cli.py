@@ -34,7 +34,7 @@ COMMANDS = {
                         "convert a LoRA fine-tune (clef-finetune checkpoint, or PEFT adapter + head) "
                         "into a fine-tune directory for a converted base, for --adapter; also "
                         "spelled `convert adapter`"),
-    "imatrix": ("clef_gguf.tools.imatrix", "add_arguments", "run",
+    "imatrix": ("clef_gguf.tools.imatrix_command", "add_arguments", "run",
                 "measure an importance matrix on decision records (their real prompts) with an "
                 "f32/f16/bf16 model, for convert --imatrix FILE (llama-imatrix's GGUF format)"),
     "batch": ("clef_gguf.bulk.job", "add_arguments", "run",

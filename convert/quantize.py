@@ -105,7 +105,7 @@ def _source_type(path: Path) -> str:
 
 def _resolve_imatrix(imatrix, src: Path, workdir: Path) -> tuple[str | None, dict]:
     """(path for the child, metadata) for ``None``, ``"uniform"``, a file, or an ImportanceMatrix."""
-    from clef_gguf.convert import imatrix as im
+    from clef_gguf.convert import imatrix_file as im
 
     if imatrix is None:
         return None, {}
@@ -251,7 +251,7 @@ def _child(spec: dict) -> int:
     import llama_cpp as ll
     import numpy as np
 
-    from clef_gguf.convert import imatrix as im
+    from clef_gguf.convert import imatrix_file as im
 
     ll.llama_backend_init()
     p = ll.llama_model_quantize_default_params()

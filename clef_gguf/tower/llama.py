@@ -254,7 +254,7 @@ class LlamaContext:
     tokens per ubatch. It needs the nextn API (embeddings mode splits ubatches per sequence).
 
     ``eval_callback``: llama.cpp's ``ggml_backend_sched_eval_callback``, shown every graph tensor
-    (the importance-matrix collector, ``tower/imatrix.py``); the caller keeps it alive.
+    (the importance-matrix collector, ``tower/imatrix_collector.py``); the caller keeps it alive.
 
     ``attention`` sets the K/V cache type and flash attention; a saved sequence state carries both
     (the V layout and the cell type), so contexts that exchange states must share it."""

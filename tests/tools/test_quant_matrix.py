@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from clef_gguf import Clef
-from clef_gguf.convert import imatrix as im
+from clef_gguf.convert import imatrix_file as im
 from clef_gguf.convert import quantize as qz
 from clef_gguf.convert.release import convert_release
 from clef_gguf.core.errors import ConversionError

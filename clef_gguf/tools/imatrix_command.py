@@ -4,12 +4,12 @@
 ``labels`` may be there and are ignored): batch inputs and labelled eval sets both work. Every
 record is validated and encoded exactly as ``decide`` encodes it (``pipeline.encode``) before the
 model loads, so a bad line is refused in a second, by number. Each prompt is then decoded on its own
-through ``tower.imatrix.Collector``, with ``--adapter``'s LoRA when given (checked against
+through ``tower.imatrix_collector.Collector``, with ``--adapter``'s LoRA when given (checked against
 the base as the runtime checks it), and the file is written in llama-imatrix's GGUF format.
 
 This module is the command (an application: it reads records and fine-tune directories, which the
-``convert`` layer may not import); the collection is ``tower/imatrix.py``, the file format
-``convert/imatrix.py``.
+``convert`` layer may not import); the collection is ``tower/imatrix_collector.py``, the file format
+``convert/imatrix_file.py``.
 """
 
 from __future__ import annotations
@@ -79,10 +79,10 @@ def read_prompts(data: str | Path, tokenizer: Path) -> list[np.ndarray]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from clef_gguf.convert.imatrix import write_sums
+    from clef_gguf.convert.imatrix_file import write_sums
     from clef_gguf.formats.files import from_directory
     from clef_gguf.formats.finetune_files import AdapterFiles
-    from clef_gguf.tower.imatrix import Collector
+    from clef_gguf.tower.imatrix_collector import Collector
 
     start = time.perf_counter()
     output = Path(args.output)

@@ -1,7 +1,7 @@
 """An importance matrix from decision prompts: llama-imatrix's statistic, collected in this process.
 
 llama.cpp's very-low-bit quantizers weigh each input column of a weight by the mean square of the
-activations that column meets (``convert/imatrix.py``). ``llama-imatrix`` measures that on text
+activations that column meets (``convert/imatrix_file.py``). ``llama-imatrix`` measures that on text
 chunks through llama.cpp's evaluation callback; it cannot feed a decision model the prompts it
 actually reads. :class:`Collector` does what ``tools/imatrix/imatrix.cpp`` ``collect_imatrix`` does,
 on the prompts the runtime decodes:
@@ -10,7 +10,7 @@ on the prompts the runtime decodes:
   tensor to :meth:`Collector._on_tensor`; it asks for the ``MUL_MAT`` nodes whose ``src0`` is a
   layer weight (``blk.*.weight``), then reads their ``src1`` (the matmul's input, one row per token)
   and adds its squares per input column, in float64, keyed by the weight's name, and the row count;
-* ``convert/imatrix.py``'s ``write`` stores the sums and counts in llama-imatrix's GGUF format,
+* ``convert/imatrix_file.py``'s ``write`` stores the sums and counts in llama-imatrix's GGUF format,
   byte-compatible with its save code, which llama.cpp's own loader reads.
 
 Unlike imatrix.cpp, matmuls of fewer than 16 rows count: a prompt's last chunk is its own text, not

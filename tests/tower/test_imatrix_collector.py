@@ -2,7 +2,7 @@
 
 The statistic is checked against numpy for blk.0's input projections (their input is the RMS-normed
 token embeddings, computable exactly from the GGUF); the file against llama.cpp's save format, our
-reader (``convert/imatrix.py``) and llama.cpp's quantizer; the refusals name their flag and line.
+reader (``convert/imatrix_file.py``) and llama.cpp's quantizer; the refusals name their flag and line.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import pytest
 
 from clef_gguf import Clef
 from clef_gguf.cli import main
-from clef_gguf.convert import imatrix as im
-from clef_gguf.tower import imatrix as ic
+from clef_gguf.convert import imatrix_file as im
+from clef_gguf.tower import imatrix_collector as ic
 from clef_gguf.convert import quantize as qz
 from clef_gguf.convert.samples import SAMPLE_REQUESTS
 from clef_gguf.core import errors
