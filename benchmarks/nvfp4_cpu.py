@@ -3,7 +3,7 @@
     python benchmarks/nvfp4_cpu.py WORKDIR [--preset tiny256] [--rounds 9]
 
 Builds the release, converts it to f32 and Q4_K_M GGUFs and to NVFP4A16 / NVFP4 checkpoints, and
-re-encodes both checkpoints as NVFP4 GGUFs (``convert.nvfp4_gguf``), then prints per model: max / mean
+re-encodes both checkpoints as NVFP4 GGUFs (``convert.nvfp4_to_gguf``), then prints per model: max / mean
 |dp| against the f32 GGUF over the parity sample requests (and, for an NVFP4 GGUF, against the PyTorch
 backend on the same checkpoint), and the median (min-max) time of one decision of the longest sample
 request, the models taking turns, with its ratio to Q4_K_M's.
@@ -20,7 +20,7 @@ import numpy as np
 
 from clef_gguf import Clef
 from clef_gguf.convert.nvfp4 import quantize_release
-from clef_gguf.convert.nvfp4_gguf import convert_checkpoint
+from clef_gguf.convert.nvfp4_to_gguf import convert_checkpoint
 from clef_gguf.convert.release import convert_release
 from clef_gguf.convert.synthetic.tiny import build_release
 from clef_gguf.convert.samples import SAMPLE_REQUESTS

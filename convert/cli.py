@@ -21,7 +21,7 @@ from pathlib import Path
 from clef_gguf.core.argtypes import positive_int
 from clef_gguf.core import errors
 from clef_gguf.formats import files
-from clef_gguf.convert import keep_layers, lora, nvfp4_gguf, quantize
+from clef_gguf.convert import keep_layers, lora, nvfp4_to_gguf, quantize
 from clef_gguf.convert.synthetic.finetune_demo import build_finetune_checkpoint
 from clef_gguf.convert.release import convert_release, tower_name
 from clef_gguf.convert.synthetic.tiny import PRESETS, build_release
@@ -75,10 +75,10 @@ def run_convert(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     src = Path(args.src)
     asked = (args.outtype or "").strip().lower()
-    if asked == nvfp4_gguf.OUTTYPE or (not asked and nvfp4_gguf.is_checkpoint(src)):
+    if asked == nvfp4_to_gguf.OUTTYPE or (not asked and nvfp4_to_gguf.is_checkpoint(src)):
         return _run_nvfp4_gguf(args, src, start)
-    if nvfp4_gguf.is_checkpoint(src):
-        raise errors.ConversionError(f"{src} is an NVFP4 checkpoint: it converts to {nvfp4_gguf.OUTTYPE} "
+    if nvfp4_to_gguf.is_checkpoint(src):
+        raise errors.ConversionError(f"{src} is an NVFP4 checkpoint: it converts to {nvfp4_to_gguf.OUTTYPE} "
                                      f"(re-encoded, not --outtype {args.outtype}); convert its release for "
                                      "other types", field="outtype")
     if asked in NVFP4_SCHEMES:
@@ -108,22 +108,22 @@ def _no_quantizer_flags(args: argparse.Namespace, outtype: str) -> None:
 
 def _run_nvfp4_gguf(args: argparse.Namespace, src: Path, start: float) -> int:
     """A checkpoint re-encoded; a release quantized to NVFP4A16 first (in a scratch directory beside OUT)."""
-    _no_quantizer_flags(args, nvfp4_gguf.OUTTYPE)
+    _no_quantizer_flags(args, nvfp4_to_gguf.OUTTYPE)
     out = Path(args.out)
-    if (src / files.MANIFEST).is_file() and not nvfp4_gguf.is_checkpoint(src):
-        raise errors.ConversionError(f"{src} is a converted model directory: {nvfp4_gguf.OUTTYPE} is made from a "
+    if (src / files.MANIFEST).is_file() and not nvfp4_to_gguf.is_checkpoint(src):
+        raise errors.ConversionError(f"{src} is a converted model directory: {nvfp4_to_gguf.OUTTYPE} is made from a "
                                      "release or an NVFP4 checkpoint", field="src")
-    if nvfp4_gguf.is_checkpoint(src):
-        nvfp4_gguf.convert_checkpoint(src, out, name=args.name)
+    if nvfp4_to_gguf.is_checkpoint(src):
+        nvfp4_to_gguf.convert_checkpoint(src, out, name=args.name)
     else:
         from clef_gguf.convert.nvfp4 import quantize_release  # torch + compressed-tensors: only here
 
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix=".clef-gguf-nvfp4-", dir=out.parent) as tmp:
             checkpoint = quantize_release(src, Path(tmp) / "checkpoint", scheme="nvfp4a16", name=args.name)
-            nvfp4_gguf.convert_checkpoint(checkpoint, out, name=args.name or src.resolve().name)
+            nvfp4_to_gguf.convert_checkpoint(checkpoint, out, name=args.name or src.resolve().name)
     scheme = (files.read_manifest(out).get("source") or {}).get("scheme")
-    print(_summary(out, nvfp4_gguf.OUTTYPE, time.perf_counter() - start, scheme=scheme))
+    print(_summary(out, nvfp4_to_gguf.OUTTYPE, time.perf_counter() - start, scheme=scheme))
     return 0
 
 

@@ -44,7 +44,7 @@ from clef_gguf.formats.gguf import ensure_gguf_types
 # layers, and the runtime never multiplies by the output matrix (it reads hidden states).
 PROBE_VOCAB = 1024
 SEED = 0
-# An NVFP4 checkpoint re-encoded as a GGUF (``convert.nvfp4_gguf``), as ``pick`` names it -> whether its
+# An NVFP4 checkpoint re-encoded as a GGUF (``convert.nvfp4_to_gguf``), as ``pick`` names it -> whether its
 # activations are 4-bit (W4A4: untagged; W4A16 tags its NVFP4 tensors to keep 8-bit activations).
 NVFP4_GGUF = {"NVFP4A16-GGUF": False, "NVFP4-GGUF": True}
 SECOND_SCALE = ".scale"  # llama.cpp's per-tensor second scale of an NVFP4 weight, F32 [1]
@@ -196,7 +196,7 @@ def nvfp4_retyped(skeleton: dict[str, StoredTensor], preset: str) -> dict[str, S
     """The skeleton as an NVFP4 checkpoint's GGUF holds it: every projection the checkpoint quantizes
     (``convert.nvfp4.is_target``) an NVFP4 tensor of zeros with its second scale (1.0) beside it, the rest
     as the bf16 skeleton has it (the checkpoint keeps embeddings, the GDN gates' small projections and
-    the norms in bf16 or f32). No quantizer runs: ``convert.nvfp4_gguf`` re-encodes, it never chooses."""
+    the norms in bf16 or f32). No quantizer runs: ``convert.nvfp4_to_gguf`` re-encodes, it never chooses."""
     p = probe_preset(preset)
     prefix = SUPPORTED["Qwen3_5ForConditionalGeneration"][1]
     _, _, items = plan(p, "bf16", _tokenizer(p["bpe_vocab"]))
@@ -263,7 +263,7 @@ def write_probe(path: Path, stored: dict[str, StoredTensor], preset: str, source
     """The probe GGUF: ``len(sources)`` layers of ``preset`` at full shape, layer ``i`` in the types
     (and the quantized rows, repeated) of the skeleton's layer ``sources[i]``, an NVFP4 tensor's second
     scale beside it; ``nvfp4_a16``: its NVFP4 tensors tagged for 8-bit activations, as a W4A16
-    checkpoint's GGUF tags them (``convert.nvfp4_gguf``). Returns its summary."""
+    checkpoint's GGUF tags them (``convert.nvfp4_to_gguf``). Returns its summary."""
     p = probe_preset(preset, len(sources))
     tok = _tokenizer(p["bpe_vocab"])
     tokenizer_json = workdir / "probe-tokenizer.json"

@@ -29,7 +29,7 @@ CATALOG_PATH = Path(__file__).with_name("catalog.json")
 # Lets a test (or a user with a private mirror) swap the whole catalog without editing package data.
 CATALOG_ENV = "CLEF_GGUF_CATALOG"
 AUTO = "auto"
-GGUF_SUFFIX = "-GGUF"  # clef-flash:nvfp4a16-gguf: a checkpoint re-encoded as an NVFP4 GGUF (models/nvfp4_gguf.py)
+GGUF_SUFFIX = "-GGUF"  # clef-flash:nvfp4a16-gguf: a checkpoint re-encoded as an NVFP4 GGUF (nvfp4_materialize.py)
 ROLES = ("tower", "head", "native", "nvfp4")
 HEAD_KEYS = ("head_weights", "head_config", "tokenizer")
 

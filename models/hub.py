@@ -21,7 +21,7 @@ from clef_gguf.models.hfcache import cache_dir, offline
 from clef_gguf.models.listing import list_local
 from clef_gguf.models.machine import DeviceProfile, probe
 from clef_gguf.models.native import materialize_native
-from clef_gguf.models.nvfp4_gguf import materialize_nvfp4_gguf
+from clef_gguf.models.nvfp4_materialize import materialize_nvfp4_gguf
 from clef_gguf.models.placement import DEFAULT_CONTEXT, Recommendation, recommend
 from clef_gguf.models.vision import vision_part
 

@@ -258,7 +258,7 @@ def nvfp4(work: Path, dry: bool) -> dict:
     bar ``BF16_BAR``)."""
     from clef_gguf import Clef
     from clef_gguf.convert.nvfp4 import quantize_release
-    from clef_gguf.convert.nvfp4_gguf import convert_checkpoint
+    from clef_gguf.convert.nvfp4_to_gguf import convert_checkpoint
     from clef_gguf.convert.release import convert_release
     from clef_gguf.convert.samples import SAMPLE_REQUESTS
     from clef_gguf.convert.synthetic.tiny import build_release

@@ -26,7 +26,7 @@ LOWER = {
     "convert": {"core", "formats", "heads", "vision", "pipeline", "media", "tower"},  # writing releases
     # the catalog: names, files, pull, placement, the hub. ``convert`` only where a pulled model is made
     # runnable on first use (a native clef GGUF split, ``models/native.py``; an NVFP4 checkpoint
-    # re-encoded, ``models/nvfp4_gguf.py``), inside those functions: each is a whole conversion (tower
+    # re-encoded, ``models/nvfp4_materialize.py``), inside those functions: each is a whole conversion (tower
     # writer, head, tokenizer), not a reader to move below both (MODELS_CONVERT_EDGES below).
     "models": {"core", "formats", "convert"},
     "runtime": {"core", "formats", "heads", "vision", "pipeline", "media", "tower", "models"},
@@ -45,7 +45,7 @@ LOWER |= {  # the applications, on top
 # The models -> convert edges, each made inside a function (loading a model never imports the
 # converter unless it has to convert): module -> the convert modules it may reach.
 MODELS_CONVERT_EDGES = {"clef_gguf.models.native": {"clef_gguf.convert.split"},
-                        "clef_gguf.models.nvfp4_gguf": {"clef_gguf.convert.nvfp4_gguf"}}
+                        "clef_gguf.models.nvfp4_materialize": {"clef_gguf.convert.nvfp4_to_gguf"}}
 
 
 def _modules() -> dict[str, Path]:

@@ -129,10 +129,10 @@ def test_zero_tensors_are_holes_in_the_probe_and_every_tensor_reads_back(skeleto
 
 
 def test_the_nvfp4_probe_plans_what_a_converted_checkpoint_holds(tiny_release, tmp_path):
-    """The probe's NVFP4 GGUF has NVFP4 (with a second scale) exactly where ``convert.nvfp4_gguf`` puts it
+    """The probe's NVFP4 GGUF has NVFP4 (with a second scale) exactly where ``convert.nvfp4_to_gguf`` puts it
     for a checkpoint of the same shapes, and the bf16 skeleton's types elsewhere."""
     from clef_gguf.convert.nvfp4 import quantize_release
-    from clef_gguf.convert.nvfp4_gguf import convert_checkpoint
+    from clef_gguf.convert.nvfp4_to_gguf import convert_checkpoint
     from clef_gguf.formats.files import from_directory
 
     out = convert_checkpoint(quantize_release(tiny_release, tmp_path / "ck", scheme="nvfp4a16"), tmp_path / "gguf")

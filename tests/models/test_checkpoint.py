@@ -296,7 +296,7 @@ def test_list_available_shows_the_packaged_nvfp4_sources(monkeypatch, tmp_path, 
             "nvfp4", "nvfp4", repo, size, basis)
         assert row["default"] and (row["revision"], row["pinned_by"]) == (None, None)
     assert {r["backend"] for n, r in rows.items() if n not in expected} == {"gguf"}
-    # each checkpoint also by its re-encoding as an NVFP4 GGUF (models/nvfp4_gguf.py): the same bytes
+    # each checkpoint also by its re-encoding as an NVFP4 GGUF (models/nvfp4_materialize.py): the same bytes
     again = rows["clef-flash:NVFP4A16-GGUF@nvfp4a16"]
     assert (again["backend"], again["repo"], again["size_bytes"]) == (
         "gguf", "myroslavtryhubets/clef-flash-NVFP4A16", 9.1e9)

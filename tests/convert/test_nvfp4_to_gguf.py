@@ -1,4 +1,4 @@
-"""NVFP4 checkpoints re-encoded as llama.cpp NVFP4 GGUFs (``convert.nvfp4_gguf``): the bits moved, not
+"""NVFP4 checkpoints re-encoded as llama.cpp NVFP4 GGUFs (``convert.nvfp4_to_gguf``): the bits moved, not
 rounded (codes and block scales byte-equal after the re-layout, the second scale 1 / global scale, the
 dequantized products equal), the file loaded by llama.cpp and answering close to the PyTorch backend,
 the command line, and every refusal naming what is wrong with nothing half-written."""
@@ -15,7 +15,7 @@ import torch
 
 from clef_gguf import Clef
 from clef_gguf.cli import main
-from clef_gguf.convert import nvfp4_gguf as ng
+from clef_gguf.convert import nvfp4_to_gguf as ng
 from clef_gguf.convert import tensor_map as tm
 from clef_gguf.core import errors
 from clef_gguf.formats.files import from_directory, read_manifest

@@ -1,5 +1,5 @@
 """``clef-flash:NVFP4A16-GGUF``: no one publishes an NVFP4 GGUF, so the name pulls the checkpoint (a real
-tiny one, served by a local fake Hub) and re-encodes it once into the cache (``models/nvfp4_gguf.py``):
+tiny one, served by a local fake Hub) and re-encodes it once into the cache (``models/nvfp4_materialize.py``):
 atomic, under a lock, reused by the next resolve, made again when the snapshot changes."""
 
 from __future__ import annotations

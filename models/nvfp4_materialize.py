@@ -1,6 +1,6 @@
 """NVFP4 GGUFs by name (``clef-flash:nvfp4a16-gguf``): no one publishes one, so the checkpoint is pulled
 (``checkpoint``) and re-encoded on first use into ``$HF_HOME/clef-gguf/nvfp4-gguf/<repo>@<commit>/<quant>/``
-(``convert.nvfp4_gguf``: the same codes and scales as llama.cpp NVFP4 tensors), once per snapshot, under a
+(``convert.nvfp4_to_gguf``: the same codes and scales as llama.cpp NVFP4 tensors), once per snapshot, under a
 lock and atomically (``native.converted_once``); later resolves reuse it."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def materialize_nvfp4_gguf(src: Source, checkpoint: ModelFiles, quant: str, *, n
     out = nvfp4_gguf_dir(src.repo, commit, quant)
 
     def encode(dst: Path) -> None:
-        from clef_gguf.convert.nvfp4_gguf import convert_checkpoint  # torch + gguf: only to re-encode
+        from clef_gguf.convert.nvfp4_to_gguf import convert_checkpoint  # torch + gguf: only to re-encode
 
         convert_checkpoint(snapshot, dst, name=name, head_weights=checkpoint.head_weights,
                            head_config=checkpoint.head_config, tokenizer=checkpoint.tokenizer)
