@@ -129,7 +129,7 @@ def convert_mmprojs(release: Path, work: Path, prefix: str, llama_src: Path,
     return mmprojs
 
 
-# Clef-Flash 9B's vision_config (convert.big.FLASH_VISION), except the output width: mtmd checks it against
+# Clef-Flash 9B's vision_config (convert.synthetic.big.FLASH_VISION), except the output width: mtmd checks it against
 # the text model's, and the text model here is the tiny one. The merger's last matmul is then 64 wide instead
 # of 4096 (under 1% of the tower's arithmetic at 448x448), so the time is the 9B tower's, less that.
 # Qwen3-VL's processor bounds (pixels); a 448x448 picture keeps its size (196 tokens).

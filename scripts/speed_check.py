@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="make the ~110M model in every type (--types) here and check each (--preset small)")
     ap.add_argument("--types", default=",".join(q for q in PUBLISHED if q != "BF16"),
                     help="with --small-set: comma-separated types (default: every published quant)")
-    ap.add_argument("--preset", default="flash9b", help="convert.big preset the models have (flash9b, small)")
+    ap.add_argument("--preset", default="flash9b", help="convert.synthetic.big preset the models have (flash9b, small)")
     ap.add_argument("--tokens", type=int, default=speed.DEFAULT_TOKENS)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=2, help="measured/predicted pairs per model (default 2)")

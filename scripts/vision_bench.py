@@ -33,7 +33,7 @@ Candidates (``--engines``; the shipped ones are ``clef_gguf.vision.engines``'s):
                   TorchScript exporter); needs ``onnxruntime`` and ``onnx``, not in the requirements
   ort-int8        ``ort`` through ``onnxruntime.quantization.quantize_dynamic`` (every MatMul, int8 weights)
 
-``--parity``: the shipped engines' answers on the tiny test releases (``convert.tiny.build_release``, vision
+``--parity``: the shipped engines' answers on the tiny test releases (``convert.synthetic.tiny.build_release``, vision
 tower and all, converted to f32): the same picture requests (images of several sizes and aspect ratios,
 one that resizes, two at once, a JSON state, a 4-frame video) decided with each engine, max |dp| per
 option against ``exact``, and whether the argmax agrees wherever exact's margin is over 0.01. ``moved``:

@@ -8,6 +8,7 @@ import json
 from clef_gguf.core.argtypes import positive_int, seconds
 from clef_gguf.core.cpus import available_cpus
 from clef_gguf.core.errors import InvalidValue
+from clef_gguf.core.limits import GiB
 from clef_gguf.pick import evidence, speed
 from clef_gguf.models.machine import DeviceProfile, probe
 from clef_gguf.models.placement import (DEFAULT_CONTEXT, Candidate, Recommendation, fp4_note, gib, gpu_layers,
@@ -167,7 +168,7 @@ def gguf_line(family: str, c: Candidate, table: speed.SpeedTable | None) -> str:
     """One NVFP4 GGUF in words: its name, size, memory and fit, and its predicted seconds when timed."""
     where = "on the GPU" if c.fits_gpu else "on the CPU" if c.fits_cpu else "nowhere here"
     line = (f"as an NVFP4 GGUF, {family}:{c.quant.lower()} (llama.cpp, re-encoded on first use): "
-            f"~{c.size_bytes / 1e9:.2f} GB, {c.need_bytes / (1 << 30):.1f} GiB of memory, fits {where}")
+            f"~{c.size_bytes / 1e9:.2f} GB, {c.need_bytes / GiB:.1f} GiB of memory, fits {where}")
     s = table.get(c.quant) if table is not None else None
     if table is not None and s is not None and s.seconds is not None:
         return line + f"; predicted {s.seconds:.1f} s for {table.decision()}"
@@ -215,7 +216,7 @@ def print_table(rec: Recommendation, table: speed.SpeedTable | None, agreements:
     for r in rows(rec, table, agreements):
         if r["by_name"]:  # the NVFP4 GGUFs: under the NVFP4 checkpoints below
             continue
-        line = (f"  {r['quant']:<8} {r['size_bytes'] / 1e9:>8.2f} {r['memory_bytes'] / (1 << 30):>10.1f} "
+        line = (f"  {r['quant']:<8} {r['size_bytes'] / 1e9:>8.2f} {r['memory_bytes'] / GiB:>10.1f} "
                 f"{'yes' if r['fits'] else 'no':>4}")
         if table is not None:
             ok = r["seconds"] is not None

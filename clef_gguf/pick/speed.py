@@ -41,7 +41,7 @@ from typing import Any
 
 from clef_gguf.convert.synthetic.big import needed_bytes, preset_config
 from clef_gguf.core.errors import InvalidValue, ProbeFailed
-from clef_gguf.core.limits import DECODE_CHUNK, SYSTEM_PREFIX_TOKENS
+from clef_gguf.core.limits import DECODE_CHUNK, SYSTEM_PREFIX_TOKENS, GiB
 from clef_gguf.models.hfcache import clef_home
 from clef_gguf.models.placement import Recommendation
 from clef_gguf.pick import contention, probe_process
@@ -49,7 +49,7 @@ from clef_gguf.pick import contention, probe_process
 FORMAT = "clef-gguf-speed-probe/4"  # 4: each quant's load window (3: the line through two lengths)
 DEFAULT_TOKENS = 500
 PREFERENCES = ("quality", "speed")
-# Families whose every tower shape is confirmed (convert.big's preset). The 27B's linear-attention and
+# Families whose every tower shape is confirmed (convert.synthetic.big's preset). The 27B's linear-attention and
 # feed-forward widths are not in its card: no probe rather than a guess.
 PRESETS = {"clef-flash": "flash9b"}
 # Published files that are another type's mix with token_embd and output at Q8_0 (bartowski's "_L"
@@ -58,8 +58,8 @@ SAME_LAYERS = {"Q6_K_L": "Q6_K", "Q5_K_L": "Q5_K_M", "Q4_K_L": "Q4_K_M", "Q3_K_X
 # A tower whose bf16 file is under this is probed whole: no layer to choose or scale. On the ~110M test
 # shape, four of its 12 layers (8 MB at Q4) ran from the CPU's cache where the whole tower did not:
 # scaled, they under-predicted it by up to a third.
-WHOLE_TOWER_BYTES = 1 << 30
-SCRATCH_BYTES = 4 << 30  # /dev/shm must have this free to hold the probe's files
+WHOLE_TOWER_BYTES = GiB
+SCRATCH_BYTES = 4 * GiB  # /dev/shm must have this free to hold the probe's files
 TIMEOUT_S = 900  # the whole probe; one quant's hang must not hang pick
 
 
@@ -131,13 +131,13 @@ class SpeedTable:
 
 
 def probe_layers(p: dict) -> int:
-    """The probe's layers for ``convert.big`` shape ``p``: all of them when its bf16 tower is under
+    """The probe's layers for ``convert.synthetic.big`` shape ``p``: all of them when its bf16 tower is under
     ``WHOLE_TOWER_BYTES``, else one full-attention interval (Clef-Flash: 4 of 32)."""
     return p["layers"] if needed_bytes(p, "bf16")[1] <= WHOLE_TOWER_BYTES else p["interval"]
 
 
 def preset_for(family: str) -> str | None:
-    """The ``convert.big`` preset with ``family``'s shapes, or None when they are not confirmed."""
+    """The ``convert.synthetic.big`` preset with ``family``'s shapes, or None when they are not confirmed."""
     return PRESETS.get(family)
 
 
@@ -251,7 +251,7 @@ def measure(family: str, quants: list[str], *, tokens: int = DEFAULT_TOKENS, thr
     """The speed table of ``quants`` (catalog spelling) for ``family`` on this machine, from the cache
     unless ``reprobe``; None when the family has no confirmed shapes. ``gpu_layers``: per quant, -1
     where the runtime would place that file on the GPU (``placement.gpu_layers``); absent: the CPU.
-    ``preset``: another ``convert.big`` shape (the accuracy check runs the ~110M ``small``).
+    ``preset``: another ``convert.synthetic.big`` shape (the accuracy check runs the ~110M ``small``).
     ``picture``: each decision also carries one ``picture`` x ``picture`` image (Clef-Flash's vision
     tower and processor; its tokens are added to ``tokens``).
 

@@ -2,8 +2,8 @@
 
     python -m clef_gguf.pick.speed_run SPEC.json
 
-``clef_gguf/pick/speed.py`` starts it (a ggml abort in one quant's quantizer must not take ``pick`` down)
-and reads its standard output: one JSON object per line, ``{"quant": ..., ...}`` per quant as it is
+``clef_gguf/pick/probe_process.py`` starts it (a ggml abort in one quant's quantizer must not take ``pick``
+down) and reads its standard output: one JSON object per line, ``{"quant": ..., ...}`` per quant as it is
 measured, and ``{"head_seconds": ...}`` once. The same llama.cpp build, context settings and thread
 count as the runtime's (``Tower.load``); the head is the PyTorch joint head at the family's shape.
 """
@@ -21,19 +21,16 @@ import numpy as np
 
 
 WARM = 4  # tokens of the warm-up prefill: first-call allocations and kernel selection, off the clock
-# Tokens of the system prefix the probe decodes once and keeps (the runtime's is 36). The rest's time
-# does not depend on it: 128-token prefills after a 4- and a 36-token prefix took the same time within
-# 2% for BF16, Q8_0, Q4_K_M, Q4_K_S, IQ2_XS, Q2_K and Q2_0 (Clef-Flash's shape, 3 runs each, twice),
-# while decoding 36 cost each quant's warm-up 0.2-0.3 s more (Q2_0: 4.6 s), ~11 s of the whole probe.
+# Tokens of the system prefix the probe decodes once and keeps: the rest's time does not depend on its
+# length, so a short one saves each quant's warm-up (BENCHMARKS.md, the speed probe's settings).
 PREFIX = 4
 SHORT = 16  # tokens of the short end of the line (``Timed``), timed twice; it also sizes the rest
-SLOW_S = 2.0  # a SHORT prefill slower than this is the measurement: Q2_0 here (2.5 s; 64 tokens: 10 s)
+SLOW_S = 2.0  # a SHORT prefill slower than this is the measurement: a longer one would cost 4x as much
 CHEAP_S = 1.0  # a decision-length prefill predicted under this is timed at that length
 PROBE_TOKENS = 64  # else the long end of the line
 # Timed prefills per length; the line goes through the fastest of each (a slower one is the machine
-# busy elsewhere). One alone saved ~25 s of the probe but let a slow run through: a 9B IQ4_XS prediction
-# at 2.04x its measured decision. Three at a cheap decision's own length, their median: its single runs
-# moved by a third on the ~110M model.
+# busy elsewhere): one alone lets a slow run through. Three at a cheap decision's own length, their
+# median: a short prefill's single runs vary most.
 RUNS = 2
 CHEAP_RUNS = 3
 
@@ -125,7 +122,7 @@ def _time_head(config: dict, tokens: int, threads: int, rounds: int, on_gpu: boo
 
 def _time_picture(size: int, out_hidden: int, threads: int, workdir: Path) -> tuple[int, float]:
     """(prompt tokens one ``size`` x ``size`` picture adds, seconds of the vision tower on it): Clef-Flash's
-    processor settings and vision tower shape (``convert.big``), random weights, the default engine."""
+    processor settings and vision tower shape (``convert.synthetic.big``), random weights, the default engine."""
     import PIL.Image
     import torch
 

@@ -7,13 +7,13 @@ heads of 256, feed-forward 12288, 16/32 linear key/value heads of 128, a 248,320
 full-size joint head (width 1024, 2 routing + 4 decoder layers, 16 heads, feed-forward 4096).
 RANDOM WEIGHTS: for timing and memory measurements only; the answers mean nothing.
 
-``convert.tiny`` would write an 18 GB safetensors release first, one shard in memory at a time
+``convert.synthetic.tiny`` would write an 18 GB safetensors release first, one shard in memory at a time
 (~37 GB of f32 for the 9B). Here no release exists: each tower tensor is drawn, edited as
 ``hf_to_gguf`` would edit it, encoded and appended to a bf16 GGUF, then the next; tensors over
 ``CHUNK_ELEMENTS`` (the embedding and the lm_head, 1.0B values each) are drawn and written in row
 blocks as the file is written. Peak memory is one ~200 MB tensor. llama.cpp's quantizer
 (``convert.quantize``) then makes the published type and the bf16 intermediate is deleted. The
-head files and ``tokenizer.json`` are written as ``convert.tiny`` writes them (small).
+head files and ``tokenizer.json`` are written as ``convert.synthetic.tiny`` writes them (small).
 
 For a tiny preset the tower tensors are the ones ``build_release`` + ``convert_release`` give
 (tested): the same generator, drawn in the same order (vision and MTP tensors are drawn and
@@ -43,6 +43,7 @@ from clef_gguf.convert.synthetic import tiny
 from clef_gguf.convert import tensor_map as tm
 from clef_gguf.convert.hf_to_gguf import SUPPORTED, add_metadata, stream_gguf, text_dims
 from clef_gguf.core.errors import ConversionError
+from clef_gguf.core.limits import GiB
 
 BIG_PRESETS: dict[str, dict] = {
     # Clef-Flash (Qwen3.5-9B text tower) with the real head; vocab padded past the demo tokenizer.
@@ -94,9 +95,9 @@ def preset_config(preset: str, layers: int | None = None) -> dict:
 
 @dataclass
 class _Item:
-    hf_name: str          # as convert.tiny names it
+    hf_name: str          # as convert.synthetic.tiny names it
     shape: list[int]      # Hugging Face shape
-    rule: tuple           # convert.tiny's init rule
+    rule: tuple           # convert.synthetic.tiny's init rule
     gguf_name: str | None  # None: a vision/MTP tensor, drawn and dropped
     edits: tuple[str, ...] = ()
     qtype: gguf.GGMLQuantizationType | None = None
@@ -111,7 +112,7 @@ class _Item:
 
 
 def plan(p: dict, outtype: str, tok) -> tuple[dict, tm.Dims, list[_Item]]:
-    """(text config, dims, every tensor of convert.tiny's list in its draw order, mapped)."""
+    """(text config, dims, every tensor of convert.synthetic.tiny's list in its draw order, mapped)."""
     text = tiny.make_config(p, tok)["text_config"]
     d = text_dims(text, tied=False)
     prefix = SUPPORTED["Qwen3_5ForConditionalGeneration"][1]
@@ -247,7 +248,7 @@ def build_random_model(out, *, preset: str = "flash9b", outtype: str = "Q4_K_M",
     p = preset_config(preset, layers)
     out = Path(out)
     mid_bytes, final_bytes = needed_bytes(p, outtype)
-    head_bytes = 1 << 30  # the full-size head in bf16 is ~0.3 GB; a margin for the manifest's temp
+    head_bytes = GiB  # the full-size head in bf16 is ~0.3 GB; a margin for the manifest's temp
     free = _free_bytes(out)
     if free < mid_bytes + final_bytes + head_bytes:
         raise ConversionError(f"{out}: needs ~{(mid_bytes + final_bytes + head_bytes) / 1e9:.1f} GB free "

@@ -1,4 +1,4 @@
-"""The streaming writer of random full-size models (``convert.big``), checked at toy sizes: its
+"""The streaming writer of random full-size models (``convert.synthetic.big``), checked at toy sizes: its
 tensors are the converter's, drawn in row blocks or not, and the 9B plan has the 9B shape."""
 
 from __future__ import annotations
