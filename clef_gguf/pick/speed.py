@@ -319,7 +319,7 @@ def measure(family: str, quants: list[str], *, tokens: int = DEFAULT_TOKENS, thr
 
 
 @dataclass(frozen=True)
-class Choice:
+class SpeedChoice:
     """What ``--max-seconds`` / ``--prefer`` chose among the candidates, and why in words."""
 
     quant: str | None
@@ -328,7 +328,7 @@ class Choice:
 
 
 def choose(rec: Recommendation, table: SpeedTable, *, max_seconds: float | None, prefer: str,
-           keeps: set[str] | None = None) -> Choice:
+           keeps: set[str] | None = None) -> SpeedChoice:
     """Among the candidates that fit (and keep the eval's answers, when ``keeps``), those predicted
     within ``max_seconds``: the most accurate (catalog order; with an eval, the smallest that keeps
     them, as ``pick --eval`` chooses) or, ``prefer="speed"``, the fastest."""
@@ -344,9 +344,9 @@ def choose(rec: Recommendation, table: SpeedTable, *, max_seconds: float | None,
     what = table.decision()
     if not within:
         if not timed:
-            return Choice(None, "No quant that fits has a measured speed: run pick without --no-probe.")
+            return SpeedChoice(None, "No quant that fits has a measured speed: run pick without --no-probe.")
         fastest = min(timed, key=lambda t: t[1])
-        return Choice(None, f"No quant that fits{' and keeps your answers' if keeps is not None else ''} "
+        return SpeedChoice(None, f"No quant that fits{' and keeps your answers' if keeps is not None else ''} "
                             f"answers{limit}: the fastest, {fastest[0].quant}, is predicted at "
                             f"{fastest[1]:.1f} s for {what} on this machine.")
     if prefer == "speed":
@@ -359,12 +359,12 @@ def choose(rec: Recommendation, table: SpeedTable, *, max_seconds: float | None,
         best, seconds, speed = within[0]
         rule = "the most accurate quant that fits"
     rate = f"{speed.tokens_per_second:.0f} prompt tokens/s, " if speed.tokens_per_second else ""
-    return Choice(best.quant, f"{best.quant} is {rule}{limit}: predicted {seconds:.1f} s for {what} "
+    return SpeedChoice(best.quant, f"{best.quant} is {rule}{limit}: predicted {seconds:.1f} s for {what} "
                               f"({rate}{table.threads} threads).",
                   tuple(t[0].quant for t in within))
 
 
-def apply(rec: Recommendation, choice: Choice) -> Recommendation:
+def apply(rec: Recommendation, choice: SpeedChoice) -> Recommendation:
     """``rec`` with ``choice``'s quant (and that candidate's placement and need)."""
     if choice.quant is None:
         return dataclasses.replace(rec, quant=None, source=None, placement=None, need_bytes=None,
