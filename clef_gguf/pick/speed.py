@@ -347,8 +347,8 @@ def choose(rec: Recommendation, table: SpeedTable, *, max_seconds: float | None,
             return SpeedChoice(None, "No quant that fits has a measured speed: run pick without --no-probe.")
         fastest = min(timed, key=lambda t: t[1])
         return SpeedChoice(None, f"No quant that fits{' and keeps your answers' if keeps is not None else ''} "
-                            f"answers{limit}: the fastest, {fastest[0].quant}, is predicted at "
-                            f"{fastest[1]:.1f} s for {what} on this machine.")
+                                 f"answers{limit}: the fastest, {fastest[0].quant}, is predicted at "
+                                 f"{fastest[1]:.1f} s for {what} on this machine.")
     if prefer == "speed":
         best, seconds, speed = min(within, key=lambda t: t[1])
         rule = "the fastest quant that fits"
@@ -360,8 +360,8 @@ def choose(rec: Recommendation, table: SpeedTable, *, max_seconds: float | None,
         rule = "the most accurate quant that fits"
     rate = f"{speed.tokens_per_second:.0f} prompt tokens/s, " if speed.tokens_per_second else ""
     return SpeedChoice(best.quant, f"{best.quant} is {rule}{limit}: predicted {seconds:.1f} s for {what} "
-                              f"({rate}{table.threads} threads).",
-                  tuple(t[0].quant for t in within))
+                                   f"({rate}{table.threads} threads).",
+                       tuple(t[0].quant for t in within))
 
 
 def apply(rec: Recommendation, choice: SpeedChoice) -> Recommendation:
