@@ -4,8 +4,7 @@
 ``clef.*`` keys to ``qwen35.*``, drops the head's keys and tensors, and rebuilds
 ``joint_head.safetensors`` / ``joint_head_config.json`` in the release's names, undoing upstream's
 folding of the three learned scalars, so ``heads.JointSchemaHead`` computes the reference's logits.
-The module runs past 400 lines because most of it is that layout: the table below and the per-tensor
-undo steps it names, kept together so each step sits beside the row it inverts.
+Each per-tensor undo step sits beside the row of the table below that it inverts.
 
 Upstream layout (R = routing_layers, i < R; L = layers, l < L; ``{p}`` = weight and bias)
 --------------------------------------------------------------------------------------

@@ -9,8 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from clef_gguf.bulk.deps import need
-
-MB = 1 << 20
+from clef_gguf.core.limits import MiB
 
 
 def require() -> Any:
@@ -58,7 +57,7 @@ def tradeoff(summaries: Sequence[dict[str, Any]], path: Path) -> Path:
     what = "top-1 agreement with the reference" if compared else "accuracy"
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
     for ax, (xlabel, xs) in zip(axes, (
-            ("tower size (MiB)", [s["cost"]["tower_bytes"] / MB for s in summaries]),
+            ("tower size (MiB)", [s["cost"]["tower_bytes"] / MiB for s in summaries]),
             ("records/s on this machine", [s["cost"]["records_per_s"] for s in summaries]))):
         ax.scatter(xs, values, color="tab:orange")
         for x, y, s in zip(xs, values, summaries):

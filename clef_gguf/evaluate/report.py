@@ -10,9 +10,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from clef_gguf.core.limits import GiB
-
-MB = 1 << 20
+from clef_gguf.core.limits import GiB, MiB
 
 
 def _f(x: Any, digits: int = 4) -> str:
@@ -41,7 +39,7 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
 
 def cost_cells(s: dict[str, Any]) -> list[str]:
     c = s["cost"]
-    return [f"{c['tower_bytes'] / MB:,.1f}", f"{c['peak_rss_bytes'] / MB:,.0f}",
+    return [f"{c['tower_bytes'] / MiB:,.1f}", f"{c['peak_rss_bytes'] / MiB:,.0f}",
             _f(c["records_per_s"], 1), _f(c["tokens_per_s"], 0)]
 
 
@@ -132,7 +130,7 @@ def console(summaries: Sequence[dict[str, Any]]) -> str:
     for s in summaries:
         a = ((s.get("agreement") or {}).get("overall")) or {}
         m = s["metrics"].get("overall") or {}
-        lines.append(f"{s['label'][:28]:<28} {s['cost']['tower_bytes'] / MB:>8.1f} "
+        lines.append(f"{s['label'][:28]:<28} {s['cost']['tower_bytes'] / MiB:>8.1f} "
                      f"{_f(s['cost']['records_per_s'], 1):>8} {_f(a.get('top1'), 4):>7} "
                      f"{_f(a.get('mean_kl'), 6):>9} {_f(m.get('accuracy'), 4):>9} {_f(m.get('nll'), 4):>8}"
                      f" {s['cost']['tower_bytes']:>13,} {_f(per_gib(s), 2):>10}")

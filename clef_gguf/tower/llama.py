@@ -10,9 +10,8 @@ import sets its default log callback): our log callback is installed and the bac
 once, on the first model load (:func:`ensure_backend`), so an application that set its own callback
 keeps it until it loads a tower.
 
-The module runs past 400 lines because it is one wrapper per llama.cpp resource (model, context,
-batch, positioned batch, adapter) with the ctypes declarations they need, kept together as
-llama-cpp-python keeps its own in ``_internals.py``: what frees each resource sits beside what makes it.
+Each wrapper sits beside the ctypes declarations it needs, as in llama-cpp-python's ``_internals.py``:
+what frees a resource sits beside what makes it.
 """
 
 from __future__ import annotations
@@ -31,6 +30,7 @@ import llama_cpp as ll
 import numpy as np
 
 from clef_gguf.core.errors import AdapterMismatch, CorruptModel, InferenceError
+from clef_gguf.core.limits import MiB
 from clef_gguf.tower import kernel_table
 
 if TYPE_CHECKING:
@@ -296,7 +296,7 @@ class LlamaContext:
         self.seqs = seqs
         # llama.cpp reports its compute buffers (one per backend) only in its log.
         self.compute_bytes = int(sum(float(m.group(1)) for _, text in lines
-                                     if (m := _COMPUTE_BUFFER.search(text))) * (1 << 20))
+                                     if (m := _COMPUTE_BUFFER.search(text))) * MiB)
 
     def use(self, adapter: LlamaAdapter | None) -> None:
         """Apply ``adapter`` (None: none) from the next decode on. llama.cpp keeps the set on the
