@@ -9,6 +9,8 @@ import argparse
 from collections.abc import Callable
 from typing import TypeVar
 
+from clef_gguf.core.limits import MAX_MB
+
 N = TypeVar("N", int, float)
 
 
@@ -50,7 +52,7 @@ def port(text: str) -> int:
 def megabytes(text: str) -> float:
     """A size in MiB >= 0 (0 turns a cache off)."""
     value = _number(text, float, "a size in MiB")
-    if not 0 <= value < 1 << 30:  # also refuses nan and inf
+    if not 0 <= value < MAX_MB:  # also refuses nan and inf
         raise _refuse(f"must be a size in MiB >= 0 (got {text})")
     return value
 

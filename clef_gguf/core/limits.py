@@ -11,6 +11,8 @@ CONTEXT_WINDOW = 16384
 # Binary byte units, for budgets and messages.
 MiB = 1 << 20
 GiB = 1 << 30
+# A size in MiB (a cache budget flag or setting) is under this: a bound that also refuses inf and nan.
+MAX_MB = 1 << 30
 # The vision cache's default budget in MiB (``clef_gguf.vision.cache``), here so that the load settings
 # name it without importing torch: one Clef-Flash 448x448 picture is 196 tokens x 4096 floats (~3 MiB),
 # so about 80 such pictures.

@@ -21,7 +21,7 @@ from pydantic import Field
 from clef_gguf.core import errors
 from clef_gguf.core import argtypes
 from clef_gguf.core.cpus import available_cpus
-from clef_gguf.core.limits import CONTEXT_WINDOW, VISION_CACHE_MB, VisionEngine
+from clef_gguf.core.limits import CONTEXT_WINDOW, MAX_MB, VISION_CACHE_MB, VisionEngine
 from clef_gguf.formats.calibration import Calibration
 from clef_gguf.tower.cache import DEFAULT_MB
 
@@ -88,12 +88,12 @@ class LoadSettings(pydantic.BaseModel):
         help="never download: catalog names resolve from the local cache only")] = Field(default=False, description=(
             "download a catalog model missing from the local Hugging Face cache (the Python API's "
             "default is not to; the commands download unless --offline)"))
-    state_cache_mb: Annotated[float, pydantic.Strict(), Field(ge=0, lt=1 << 30), Flag(type=argtypes.megabytes)] = Field(
+    state_cache_mb: Annotated[float, pydantic.Strict(), Field(ge=0, lt=MAX_MB), Flag(type=argtypes.megabytes)] = Field(
         default=DEFAULT_MB, description=(
         "memory for reusing decoded states: another question set about a state seen before decodes "
         "only its questions, a repeated request skips the tower "
         f"(default {DEFAULT_MB} MiB; 0 turns it off)"))
-    vision_cache_mb: Annotated[float, pydantic.Strict(), Field(ge=0, lt=1 << 30),
+    vision_cache_mb: Annotated[float, pydantic.Strict(), Field(ge=0, lt=MAX_MB),
                                Flag(type=argtypes.megabytes)] = Field(default=VISION_CACHE_MB, description=(
         "memory for reusing the vision tower's output: a picture seen before is not run through the "
         "vision tower again, whatever state or questions come with it "

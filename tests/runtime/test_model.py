@@ -9,6 +9,7 @@ import torch
 
 from clef_gguf import Clef
 from clef_gguf.core import errors
+from clef_gguf.core.limits import GiB
 from clef_gguf.formats import files
 from clef_gguf.formats.files import MANIFEST, from_directory
 
@@ -251,7 +252,7 @@ def test_auto_gpu_layers_follow_the_device_policy(tiny_model_dir, monkeypatch):
     monkeypatch.setattr(machine, "probe", lambda **_: box)
     path = tiny_model_dir / "tower-f32.gguf"
     assert backends.gpu_layers("auto", path, 64, 16384) == -1
-    small = machine.DeviceProfile(**{**box.__dict__, "gpus": (machine.GPU(0, "tiny", 1 << 30, 1 << 29),)})
+    small = machine.DeviceProfile(**{**box.__dict__, "gpus": (machine.GPU(0, "tiny", GiB, GiB // 2),)})
     monkeypatch.setattr(machine, "probe", lambda **_: small)
     assert backends.gpu_layers("auto", path, 64, 16384) == 0  # KV for 16k tokens does not fit
     monkeypatch.setattr(tower, "gpu_offload", lambda: False)
