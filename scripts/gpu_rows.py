@@ -113,7 +113,7 @@ def parity(work: Path, dry: bool) -> dict:
                 encoded = [clef.prepare(r).encoded for r in SAMPLE_REQUESTS]
                 prompts = [(e.ids, e.prefix_tokens, e.state_tokens) for e in encoded]
                 one, packed = (clef.tower.forward_many(prompts, None, pack=k) for k in (1, len(prompts)))
-                packed_dp = max(float(np.abs(clef.probabilities_of(e, a[0]) - clef.probabilities_of(e, b[0])).max())
+                packed_dp = max(float(np.abs(clef.flat_probabilities(e, a[0]) - clef.flat_probabilities(e, b[0])).max())
                                 for e, a, b in zip(encoded, one, packed))
     dp = max(float(np.abs(a - b).max()) for a, b in zip(probs["gpu"], probs["cpu"]))
     ok = dp <= 1e-5 and packed_dp <= 1e-5
@@ -307,7 +307,7 @@ def _nvfp4_bf16_vs_reference(release: Path, checkpoint: Path, dry: bool) -> dict
         for request in SAMPLE_REQUESTS:
             enc = clef.prepare(request).encoded
             ours, theirs = clef.tower.hidden_states(enc.ids), reference.reference_hidden_states(ref, enc.ids)
-            p = [clef.probabilities_of(enc, h) for h in (ours, theirs)]
+            p = [clef.flat_probabilities(enc, h) for h in (ours, theirs)]
             worst_dp = max(worst_dp, float(np.abs(p[0] - p[1]).max()))
             worst_hidden = max(worst_hidden, float(np.abs(ours - theirs).max() / max(1.0, np.abs(theirs).max())))
     return {"max_abs_dp": worst_dp, "hidden_max_rel": worst_hidden}

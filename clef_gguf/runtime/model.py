@@ -144,9 +144,10 @@ class Clef:
         enc = self.prepare(request, truncate_state=truncate_state).encoded
         return answer.split_probabilities(self.logits(enc), enc.option_counts, self.temperatures(enc))
 
-    def probabilities_of(self, enc: Encoded, hidden: np.ndarray) -> np.ndarray:
-        """Unrounded fp32 probabilities of every option, flat, from hidden states of ``enc`` computed
-        elsewhere (checks of one tower route against another: packed, a reference model)."""
+    def flat_probabilities(self, enc: Encoded, hidden: np.ndarray) -> np.ndarray:
+        """Unrounded fp32 probabilities of every option, in one flat array (``probabilities`` gives one per
+        question), from hidden states of ``enc`` computed elsewhere (checks of one tower route against
+        another: packed, a reference model)."""
         logits = stages.head_logits(self.head, self.lexical, enc, hidden)[0]
         return np.concatenate(answer.split_probabilities(logits, enc.option_counts, self.temperatures(enc)))
 

@@ -79,7 +79,7 @@ def test_the_tower_is_the_reference_model_on_the_dequantized_weights(clef, schem
     with Clef.load(model_dir, state_cache_mb=0, nvfp4_dtype="bf16") as ours16:
         got = ours16.tower.hidden_states(enc.ids)
     want = reference.reference_hidden_states(bf16, enc.ids)
-    dp = np.abs(clef.probabilities_of(enc, got) - clef.probabilities_of(enc, want)).max()
+    dp = np.abs(clef.flat_probabilities(enc, got) - clef.flat_probabilities(enc, want)).max()
     assert 0 < dp < BF16_BARS[scheme]  # bf16 is not fp32 (0 would mean fp32 ran), and close to the reference
 
 
@@ -173,7 +173,7 @@ def test_packed_prompts_agree_with_one_at_a_time(clef, scheme, monkeypatch):
     worst = 0.0
     for enc, i in zip(encoded, good):
         assert got[i][1] == 0 and got[i][0].shape == want[i][0].shape
-        diff = clef.probabilities_of(enc, got[i][0]) - clef.probabilities_of(enc, want[i][0])
+        diff = clef.flat_probabilities(enc, got[i][0]) - clef.flat_probabilities(enc, want[i][0])
         worst = max(worst, float(np.abs(diff).max()))
     # fp32: NVFP4A16's packed probabilities are one-at-a-time's to float rounding. W4A4 rounds the
     # activations to FP4 codes, where a rounding difference can cross a code boundary (see above).
