@@ -12,7 +12,7 @@ from clef_gguf.formats.files import CHECKPOINT_CONFIG
 from clef_gguf.models.catalog import GGUF_SUFFIX, Catalog, Family, Source, load_catalog
 from clef_gguf.models.checkpoint import checkpoint_ready
 from clef_gguf.models.hfcache import SHA256_RE, cache_dir, split_dir, stamp
-from clef_gguf.models.native import split_is_current
+from clef_gguf.models.first_use import conversion_is_current
 from clef_gguf.models.pins import Pin, held_revision, read_pins
 
 if TYPE_CHECKING:
@@ -71,7 +71,7 @@ def list_local(*, catalog: Catalog | None = None) -> list[LocalModel]:
                         continue
                     blob = f.blob_path.resolve()
                     checked = stamp(blob)
-                    ready = head_ready if src.role == "tower" else split_is_current(
+                    ready = head_ready if src.role == "tower" else conversion_is_current(
                         split_dir(src.repo, rev.commit_hash, quant), blob)
                     out.append(LocalModel(
                         name=f"{family.name}:{quant}@{src.alias}", family=family.name, quant=quant,

@@ -7,20 +7,13 @@ tokenizer.json rebuilt from the GGUF's vocabulary), once per cached blob.
 
 from __future__ import annotations
 
-import shutil
-from collections.abc import Callable
 from pathlib import Path
 
-from filelock import FileLock, Timeout
-
-from clef_gguf.core.errors import ClefError, ConversionError, ModelLoadError
-from clef_gguf.formats.files import MANIFEST, ROLES, ModelFiles, from_directory, read_manifest
+from clef_gguf.formats.files import ModelFiles
 from clef_gguf.models.catalog import Source
 from clef_gguf.models.download import commit_of, fetch
+from clef_gguf.models.first_use import converted_once
 from clef_gguf.models.hfcache import split_dir
-
-# A split copies the whole tower (GBs); a second process wanting the same split waits for it.
-SPLIT_LOCK_TIMEOUT_S = 3600
 
 
 def materialize_native(src: Source, quant: str, *, name: str, local_only: bool, progress: bool,
@@ -37,49 +30,6 @@ def materialize_native(src: Source, quant: str, *, name: str, local_only: bool, 
     found = _split_once(native, out, name, f"{src.repo} / {native.name}")
     found.revision = f"{src.repo}@{commit} (native GGUF, split by clef-gguf)"
     return found
-
-
-def split_is_current(out: Path, blob: Path) -> bool:
-    """True if ``out`` is a complete conversion of this very ``blob`` (a file or a snapshot directory),
-    unchanged since."""
-    try:
-        manifest = read_manifest(out)
-        made_ns = (out / MANIFEST).stat().st_mtime_ns
-        # The blob's path names its content (the HF cache names blobs by hash, snapshots by commit); a
-        # blob rewritten after the conversion (a re-download) is newer than the manifest written at its end.
-        return ((manifest.get("source") or {}).get("path") == str(blob)
-                and blob.stat().st_mtime_ns <= made_ns
-                and all((out / manifest[role]).is_file() for role in ROLES))
-    except (OSError, ClefError):
-        return False
-
-
-def converted_once(blob: Path, out: Path, convert: Callable[[Path], object], label: str, *,
-                   verb: str = "convert") -> ModelFiles:
-    """``out``, a model directory that ``convert(out)`` makes from ``blob`` (the manifest's source path),
-    made once: under a lock, so two processes resolving the same model do not both convert GBs, and
-    staged beside ``out`` by the converter (``files.staged_directory``), so ``out`` is complete or absent;
-    made again when ``blob`` changed."""
-    lock = out.parent / f".{out.name}.lock"
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(lock), timeout=SPLIT_LOCK_TIMEOUT_S):
-            if not split_is_current(out, blob):
-                shutil.rmtree(out, ignore_errors=True)  # made from another blob, or incomplete
-                # A killed conversion leaves its stage; holding the lock, nobody else is using one.
-                for stage in out.parent.glob(f".{out.name}.*"):
-                    if stage != lock:
-                        shutil.rmtree(stage, ignore_errors=True)
-                try:
-                    convert(out)
-                except ConversionError as exc:
-                    raise ConversionError(f"cannot {verb} {label}: {exc.message}", field="model") from None
-            return from_directory(out)
-    except Timeout:
-        raise ModelLoadError(f"{lock} stayed locked for {SPLIT_LOCK_TIMEOUT_S} s (another process "
-                             "working on the same file?)", field="model") from None
-    except OSError as exc:
-        raise ModelLoadError(f"cannot {verb} {label} into {out}: {exc}", field="model") from None
 
 
 def _split_once(native: Path, out: Path, name: str, label: str) -> ModelFiles:

@@ -1,7 +1,7 @@
 """NVFP4 GGUFs by name (``clef-flash:nvfp4a16-gguf``): no one publishes one, so the checkpoint is pulled
 (``checkpoint``) and re-encoded on first use into ``$HF_HOME/clef-gguf/nvfp4-gguf/<repo>@<commit>/<quant>/``
 (``convert.nvfp4_to_gguf``: the same codes and scales as llama.cpp NVFP4 tensors), once per snapshot, under a
-lock and atomically (``native.converted_once``); later resolves reuse it."""
+lock and atomically (``first_use.converted_once``); later resolves reuse it."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 from clef_gguf.formats.files import ModelFiles
 from clef_gguf.models.catalog import Source
 from clef_gguf.models.hfcache import clef_home
-from clef_gguf.models.native import converted_once
+from clef_gguf.models.first_use import converted_once
 
 
 def nvfp4_gguf_dir(repo: str, commit: str, quant: str) -> Path:
