@@ -10,8 +10,7 @@ import time
 
 import torch
 
-from clef_gguf.heads import random_head, synthetic_spans
-from clef_gguf.heads.load import BENCH_COUNTS
+from clef_gguf.convert.synthetic.head import BENCH_COUNTS, random_head, synthetic_spans
 
 FLASH = dict(hidden_size=4096, width=1024, routing_layers=2, layers=4, heads=16, feedforward=4096)
 TOKENS = 2000

@@ -1,4 +1,5 @@
-"""Clef's joint schema head: the PyTorch module, its strict loader, and helpers for tests and demos."""
+"""Clef's joint schema head: the PyTorch module and its strict loader (random heads for tests and demos:
+``clef_gguf.convert.synthetic.head``)."""
 
 from clef_gguf.heads.joint import LOG_100, QUESTION_TYPES, EvidenceRoutingLayer, JointSchemaHead
 from clef_gguf.heads.load import (
@@ -7,10 +8,8 @@ from clef_gguf.heads.load import (
     check_config,
     head_scalars,
     load_head,
-    random_head,
     read_head_config,
     save_head,
-    synthetic_spans,
 )
 
 __all__ = [
@@ -23,8 +22,6 @@ __all__ = [
     "check_config",
     "head_scalars",
     "load_head",
-    "random_head",
     "read_head_config",
     "save_head",
-    "synthetic_spans",
 ]

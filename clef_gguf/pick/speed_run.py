@@ -98,9 +98,8 @@ def _time_head(config: dict, tokens: int, threads: int, rounds: int, on_gpu: boo
 
     device = torch.device("cuda" if on_gpu and torch.cuda.is_available() else "cpu")
 
-    from clef_gguf.heads import synthetic_spans
-    from clef_gguf.heads.joint import JointSchemaHead
-    from clef_gguf.heads.load import BENCH_COUNTS, check_config
+    from clef_gguf.convert.synthetic.head import BENCH_COUNTS, synthetic_spans
+    from clef_gguf.heads import JointSchemaHead, check_config
 
     torch.set_num_threads(threads)
     counts = list(BENCH_COUNTS)

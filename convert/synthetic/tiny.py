@@ -303,11 +303,12 @@ def _write_weights(out: Path, specs: list[tuple], shards: int, seed: int) -> lis
 
 
 def write_head(out: Path, head_config: dict, seed: int) -> None:
-    # The head package owns the module tree and the file format; we only ask it for random weights.
-    import clef_gguf.heads as heads
+    # The head package owns the module tree and the file format; the weights are random_head's.
+    from clef_gguf.convert.synthetic.head import random_head
+    from clef_gguf.heads import save_head
 
-    head = heads.random_head(dict(head_config), seed)
-    heads.save_head(head, out, dtype=torch.bfloat16)
+    head = random_head(dict(head_config), seed)
+    save_head(head, out, dtype=torch.bfloat16)
     cfg_path = out / "joint_head_config.json"
     if not cfg_path.is_file():  # in case save_head writes only the weights
         cfg_path.write_text(json.dumps(head_config, indent=2) + "\n")

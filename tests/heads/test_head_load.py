@@ -13,7 +13,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from clef_gguf.core.errors import ClefError, CorruptModel, HeadMismatch, ModelNotFound
-from clef_gguf.heads import head_scalars, load_head, random_head, read_head_config, save_head
+from clef_gguf.convert.synthetic.head import random_head
+from clef_gguf.heads import head_scalars, load_head, read_head_config, save_head
 
 JUDGE = dict(hidden_size=32, width=16, routing_layers=2, layers=4, heads=2, feedforward=24)
 CONFIG = "joint_head_config.json"

@@ -286,7 +286,8 @@ def _truncate_adapter(tune: Path) -> None:
 
 def _wide_head(tune: Path) -> None:
     from clef_gguf.convert.synthetic.tiny import PRESETS
-    from clef_gguf.heads import random_head, save_head
+    from clef_gguf.convert.synthetic.head import random_head
+    from clef_gguf.heads import save_head
 
     save_head(random_head(PRESETS["tiny256"]["head"], seed=1), tune, dtype=torch.float32)
 

@@ -180,7 +180,8 @@ def test_missing_model_directory(tmp_path):
 
 
 def test_head_hidden_size_must_match_the_tower(tiny_model_dir, tmp_path):
-    from clef_gguf.heads import random_head, save_head
+    from clef_gguf.convert.synthetic.head import random_head
+    from clef_gguf.heads import save_head
 
     d = copy_model(tiny_model_dir, tmp_path / "m")
     config = json.loads((d / "joint_head_config.json").read_text())
