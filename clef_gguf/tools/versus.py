@@ -15,10 +15,11 @@ spread, so a noisy machine moves both sides alike. Never a timed assertion: numb
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import llama_cpp as ll
 import numpy as np
@@ -79,19 +80,28 @@ def alternate(a: Callable[[], object], b: Callable[[], object], rounds: int) -> 
             "b_ms_median": round(statistics.median(tb) * 1e3, 2)}
 
 
+@contextlib.contextmanager
+def swapped_state_cache(clef) -> Iterator[StateCache]:
+    """``clef`` with its state cache off (every decision decodes its whole prompt) inside the block, which
+    may set others; its own cache restored after. Yields the empty cache."""
+    saved, clef.state_cache = clef.state_cache, StateCache(0)
+    try:
+        yield clef.state_cache
+    finally:
+        clef.state_cache = saved
+
+
 def versus_prefill(clef, request: dict, rounds: int) -> dict:
     if not isinstance(clef.tower, Tower):
         raise InvalidValue("--versus prefill compares against llama.cpp: it needs a GGUF tower", field="backend")
-    plain = StateCache(0)
     ids = clef.prepare(request).encoded.ids
     bare = BarePrefill(clef.files.tower, clef.tower.n_ctx, clef.tower.n_batch,
                        clef.tower.threads)
     try:
         bare(ids)  # warm-up both: page in the mmap
-        clef.state_cache, saved = plain, clef.state_cache
-        clef.decide(request)
-        result = alternate(lambda: clef.decide(request), lambda: bare(ids), rounds)
-        clef.state_cache = saved
+        with swapped_state_cache(clef):
+            clef.decide(request)
+            result = alternate(lambda: clef.decide(request), lambda: bare(ids), rounds)
     finally:
         bare.close()
     return {"versus": "prefill", "tokens": int(len(ids)),
@@ -100,7 +110,7 @@ def versus_prefill(clef, request: dict, rounds: int) -> dict:
 
 def versus_reuse(clef, state: str, question_sets: list[dict], rounds: int) -> dict:
     requests = [{"state": state, "questions": q} for q in question_sets]
-    cached, plain = StateCache(clef.state_cache.max_bytes or StateCache().max_bytes), StateCache(0)
+    cached = StateCache(clef.state_cache.max_bytes or StateCache().max_bytes)
 
     def with_cache():
         cached.clear()  # each round starts cold: the state is decoded once, then restored
@@ -113,12 +123,9 @@ def versus_reuse(clef, state: str, question_sets: list[dict], rounds: int) -> di
         for r in requests:
             clef.decide(r)
 
-    saved = clef.state_cache
-    try:
+    with swapped_state_cache(clef) as plain:
         without_cache()  # warm-up
         result = alternate(with_cache, without_cache, rounds)
-    finally:
-        clef.state_cache = saved
     tokens = clef.prepare(requests[0]).encoded.state_tokens
     return {"versus": "reuse", "state_tokens": tokens, "question_sets": len(requests),
             "a": f"{len(requests)} question sets, state cache",
@@ -129,14 +136,11 @@ def versus_transformers(clef, request: dict, release: str, rounds: int) -> dict:
     from clef_gguf.tools.parity import Reference
 
     reference = Reference(release)  # loads with torch's threads: set to the tower's by Clef.load
-    saved, clef.state_cache = clef.state_cache, StateCache(0)
-    try:
+    with swapped_state_cache(clef):
         reference.probabilities(request)  # warm-up both
         clef.decide(request)
         result = alternate(lambda: clef.decide(request),
                            lambda: reference.probabilities(request), rounds)
-    finally:
-        clef.state_cache = saved
     return {"versus": "transformers", "tokens": int(clef.prepare(request).encoded.n_tokens),
             "a": "clef-gguf decide (no cache)", "b": "transformers backbone + head, fp32", **result}
 
@@ -161,8 +165,7 @@ def _agreement(clef, prepared: list, pack: int) -> dict:
 
 def versus_packed(clef, requests: list[dict], pack: int, rounds: int) -> dict:
     prepared = [clef.prepare(r) for r in requests]
-    saved, clef.state_cache = clef.state_cache, StateCache(0)  # every round decodes every prompt
-    try:
+    with swapped_state_cache(clef):  # every round decodes every prompt
         clef.run_many(prepared, pack=pack)  # warm-up both; makes the packed context
         clef.run_many(prepared, pack=1)
         clef.tower.pack_stats.clear()
@@ -170,8 +173,6 @@ def versus_packed(clef, requests: list[dict], pack: int, rounds: int) -> dict:
                            lambda: clef.run_many(prepared, pack=1), rounds)
         decodes = {str(k): v // rounds for k, v in sorted(clef.tower.pack_stats.items())}
         result |= _agreement(clef, prepared, pack)
-    finally:
-        clef.state_cache = saved
     tokens = [p.encoded.n_tokens for p in prepared]
     return {"versus": "packed", "pack": pack, "requests": len(requests),
             "tokens": [min(tokens), max(tokens)],

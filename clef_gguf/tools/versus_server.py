@@ -127,14 +127,11 @@ def upstream_probabilities(response: dict, request: dict) -> tuple[dict[str, dic
 def our_probabilities(clef, request: dict) -> tuple[dict[str, dict[str, float]], int]:
     """({question: {option: p}}, prompt tokens): our probabilities before the 4-decimal rounding."""
     from clef_gguf.pipeline import answer
-    from clef_gguf.tower.cache import StateCache
+    from clef_gguf.tools.versus import swapped_state_cache
 
-    saved, clef.state_cache = clef.state_cache, StateCache(0)
-    try:
+    with swapped_state_cache(clef):
         prepared = clef.prepare(request)
         logits = clef.logits(prepared.encoded)
-    finally:
-        clef.state_cache = saved
     probs = answer.split_probabilities(logits, prepared.encoded.option_counts)
     return ({q.id: {o.id: float(p) for o, p in zip(q.options, pq)}
              for q, pq in zip(prepared.request.questions, probs)}, int(prepared.encoded.n_tokens))
@@ -259,7 +256,7 @@ def tower_layout_matches(ours: Path, native: Path) -> bool:
 def versus_llama_server(clef, binary: str, native: str, request: dict, state: str,
                         question_sets: list[dict], rounds: int, ubatch: int | None = None) -> dict:
     from clef_gguf.tower.cache import StateCache
-    from clef_gguf.tools.versus import alternate
+    from clef_gguf.tools.versus import alternate, swapped_state_cache
     from clef_gguf.tower.llama_tower import extra_buffer_types
 
     reuse = [{"state": state, "questions": q} for q in question_sets]
@@ -272,7 +269,7 @@ def versus_llama_server(clef, binary: str, native: str, request: dict, state: st
     _use_ubatch(clef, n_ubatch)
     server = LlamaServer(binary, native, threads=clef.tower.threads, ubatch=n_ubatch,
                          n_ctx=clef.tower.n_ctx, repack=extra_buffer_types())
-    saved = clef.state_cache
+    cached = StateCache(clef.state_cache.max_bytes or StateCache().max_bytes)
     try:
         server.wait_ready()
         agreement: dict[str, Any] = {"requests": len(bodies), "max_abs_dp": 0.0, "where": "", "tokens_ours": [],
@@ -287,28 +284,27 @@ def versus_llama_server(clef, binary: str, native: str, request: dict, state: st
                 agreement["max_abs_dp"], agreement["where"] = float(f"{dp:.3g}"), where  # 3 digits, even at 1e-7
         agreement["same_tokens"] = agreement["tokens_ours"] == agreement["tokens_upstream"]
 
-        plain, cached = StateCache(0), StateCache(saved.max_bytes or StateCache().max_bytes)
+        with swapped_state_cache(clef) as plain:
 
-        def ours_single():
-            clef.state_cache = plain
-            clef.decide(request)
+            def ours_single():
+                clef.state_cache = plain
+                clef.decide(request)
 
-        def ours_reuse():
-            cached.clear()  # each round starts cold: the state is decoded once, then restored
-            clef.state_cache = cached
-            for r in reuse:
-                clef.decide(r)
+            def ours_reuse():
+                cached.clear()  # each round starts cold: the state is decoded once, then restored
+                clef.state_cache = cached
+                for r in reuse:
+                    clef.decide(r)
 
-        def theirs_reuse():
-            for body in bodies[1:]:
-                server.decide(body)
+            def theirs_reuse():
+                for body in bodies[1:]:
+                    server.decide(body)
 
-        single = alternate(ours_single, lambda: server.decide(bodies[0]), rounds)
-        shared = alternate(ours_reuse, theirs_reuse, rounds)
+            single = alternate(ours_single, lambda: server.decide(bodies[0]), rounds)
+            shared = alternate(ours_reuse, theirs_reuse, rounds)
         http_ms = server.roundtrip_ms()
         version = server.version()
     finally:
-        clef.state_cache = saved
         server.close()
     return {"versus": "llama-server",
             "upstream": {"binary": str(binary), "gguf": str(native), "version": version,
