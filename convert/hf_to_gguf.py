@@ -210,18 +210,7 @@ def plan_tensors(src: Path, arch: str, text: dict, outtype: str) -> tuple[tm.Dim
     """Check the checkpoint against the config and plan every GGUF tensor. Returns (dims, plan, skipped)."""
     found = scan_checkpoint(src)
     prefix = SUPPORTED[arch][1]
-    text_names: dict[str, str] = {}
-    skipped = 0
-    for name in found:
-        if name.startswith(tm.SKIP_PREFIXES):
-            skipped += 1
-        elif name == "lm_head.weight":
-            text_names[name] = name
-        elif name.startswith(prefix):
-            text_names[name[len(prefix):]] = name
-        else:
-            raise ConversionError(f"unknown tensor {name!r} (expected the {prefix!r} prefix, "
-                                  f"lm_head, or a skipped vision/MTP part)")
+    text_names, skipped = tm.text_names(found, prefix)
     tied = "lm_head.weight" not in text_names and bool(text.get("tie_word_embeddings"))
     d = text_dims(text, tied)
     expected = tm.expected_shapes(d)

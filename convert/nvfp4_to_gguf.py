@@ -203,16 +203,7 @@ def plan(src: Path) -> tuple[dict, dict, tm.Dims, Scheme, list[Item], str]:
     prefix = SUPPORTED[arch][1]
     quantized = {n[:-len(PACKED) - 1] for n in found if n.endswith("." + PACKED)}
     parts = {f"{m}.{s}" for m in quantized for s in (PACKED, SCALE, GLOBAL, INPUT)}
-    text_names: dict[str, str] = {}
-    for name in found:
-        if name in parts or name.startswith(tm.SKIP_PREFIXES):
-            continue
-        if name == "lm_head.weight":
-            text_names[name] = name
-        elif name.startswith(prefix):
-            text_names[name[len(prefix):]] = name
-        else:
-            raise ConversionError(f"unknown tensor {name!r} (expected the {prefix!r} prefix)", field="src")
+    text_names, _ = tm.text_names((n for n in found if n not in parts), prefix)
     text_names |= {m[len(prefix):] + ".weight": m for m in quantized if m.startswith(prefix)}
     if len(text_names) != len({*text_names.values()}) or any(not m.startswith(prefix) for m in quantized):
         raise ConversionError(f"{src}: NVFP4 layers outside the text model, or twice", field="src")

@@ -8,6 +8,7 @@ Names are "text-relative": the checkpoint prefix (``model.language_model.`` for 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import gguf
@@ -121,6 +122,25 @@ def gguf_name(name: str) -> tuple[str, tuple[str, ...]]:
         gg, edits = _LAYER_INDEX[m.group(2)]
         return f"blk.{m.group(1)}.{gg}", edits
     raise ConversionError(f"unknown tensor {name!r}: not part of the Qwen3.5 text model this converter maps")
+
+
+def text_names(names: Iterable[str], prefix: str) -> tuple[dict[str, str], int]:
+    """(text-relative name -> checkpoint name of every text tensor in ``names``, how many vision/MTP
+    tensors were skipped): ``lm_head.weight`` as it is, the others under ``prefix`` with it stripped;
+    ConversionError naming any other tensor."""
+    found: dict[str, str] = {}
+    skipped = 0
+    for name in names:
+        if name.startswith(SKIP_PREFIXES):
+            skipped += 1
+        elif name == "lm_head.weight":
+            found[name] = name
+        elif name.startswith(prefix):
+            found[name[len(prefix):]] = name
+        else:
+            raise ConversionError(f"unknown tensor {name!r} (expected the {prefix!r} prefix, "
+                                  f"lm_head, or a skipped vision/MTP part)", field="src")
+    return found, skipped
 
 
 def sort_key(name: str) -> tuple:
