@@ -147,6 +147,23 @@ def gib(n: int) -> str:
     return f"{n / GiB:.2f} GiB"
 
 
+@dataclass(frozen=True)
+class _Need:
+    """What a family's model needs besides its tower, by where it lives."""
+
+    kv: int
+    recurrent: int
+    device_side: int  # moves to VRAM with the tower: KV cache, recurrent state, compute
+    host_side: int  # stays on the host: head, lexical rows, runtime
+
+
+def _need(family: Family, context_tokens: int, sequences: int) -> _Need:
+    mem = family.memory
+    kv = mem.kv_bytes_per_token * context_tokens
+    rec = mem.recurrent_bytes_per_sequence * sequences
+    return _Need(kv, rec, kv + rec + mem.compute_bytes, mem.head_bytes + mem.lexical_rows_bytes + mem.runtime_bytes)
+
+
 def recommend(profile: DeviceProfile, family: Family | str = "clef-flash", *,
               context_tokens: int = DEFAULT_CONTEXT, sequences: int = 1,
               catalog: Catalog | None = None) -> Recommendation:
@@ -158,68 +175,96 @@ def recommend(profile: DeviceProfile, family: Family | str = "clef-flash", *,
         family = (catalog or load_catalog()).family(family)
     if context_tokens < 1 or sequences < 1:
         raise ValueError("context_tokens and sequences must be positive")
-    mem = family.memory
-    kv = mem.kv_bytes_per_token * context_tokens
-    rec = mem.recurrent_bytes_per_sequence * sequences
-    breakdown = {"kv_cache": kv, "recurrent_state": rec, "head": mem.head_bytes,
+    mem, need = family.memory, _need(family, context_tokens, sequences)
+    breakdown = {"kv_cache": need.kv, "recurrent_state": need.recurrent, "head": mem.head_bytes,
                  "lexical_rows": mem.lexical_rows_bytes, "compute": mem.compute_bytes,
-                 "runtime": mem.runtime_bytes, "os_reserve": os_reserve(profile.total_ram)}
-    device_side = kv + rec + mem.compute_bytes  # what moves to VRAM with the tower
-    host_side = mem.head_bytes + mem.lexical_rows_bytes + mem.runtime_bytes
-    breakdown["free_headroom"] = free_headroom(profile.total_ram)
+                 "runtime": mem.runtime_bytes, "os_reserve": os_reserve(profile.total_ram),
+                 "free_headroom": free_headroom(profile.total_ram)}
     host = host_budget(profile)
     gpu, gpu_budget = _gpu_budget(profile)
     nvfp4 = checkpoint_candidates(profile, family, context_tokens=context_tokens, sequences=sequences)
-
-    candidates = []
-    for quant in family.quants():
-        source = family.tower_source(quant)
-        size, basis = family.tower_size(quant)
-        tower = int(size * SIZE_MARGIN[basis])
-        fits_cpu, fits_gpu = _fits(profile, tower, device_side, host_side, gpu_budget)
-        fits_cpu = fits_cpu and quant not in CPU_SKIP
-        candidates.append(Candidate(quant, source.alias, size, basis, tower + device_side + host_side,
-                                    fits_cpu, fits_gpu))
-
-    ctx = f"{context_tokens:,} tokens of context"
-    # Pinned sources first: a recommendation should be reproducible; unpinned only if nothing else fits.
-    pinned = [c for c in candidates if family.source(c.source).pinned]
-    chosen = next((c for c in pinned if c.fits), None) or next((c for c in candidates if c.fits), None)
+    candidates = _candidates(profile, family, need, gpu_budget)
+    chosen = _choose(family, candidates)
     if chosen is None:
-        smallest = min(candidates, key=lambda c: c.need_bytes)
-        small_ctx = 2048
-        at_small = smallest.need_bytes - kv + mem.kv_bytes_per_token * small_ctx
-        hint = (f" With --ctx {small_ctx} it would need {gib(at_small)}."
-                if context_tokens > small_ctx and at_small <= host else "")
-        reason = (f"No {family.name} quant fits this machine: the smallest, {smallest.quant} "
-                  f"({smallest.size_bytes / 1e9:.2f} GB, {smallest.size_basis} size), needs "
-                  f"{gib(smallest.need_bytes)} at {ctx} but only {gib(host)} of RAM is usable "
-                  f"({gib(profile.available_ram)} available; {gib(breakdown['free_headroom'])} of it and "
-                  f"{gib(breakdown['os_reserve'])} of the total kept free)"
-                  + (f" and {gib(gpu_budget)} of VRAM" if gpu_budget else "") + f".{hint}"
-                  " Free memory, use a smaller context, or a machine with more memory.")
+        reason = _nothing_fits(profile, family, candidates, need, context_tokens, gpu_budget)
         return Recommendation(family.name, None, None, None, context_tokens, host, None, reason,
                               breakdown, tuple(candidates), nvfp4)
-
     placement = "gpu" if chosen.fits_gpu else "cpu"
     budget = gpu_budget if placement == "gpu" else host
-    need = chosen.need_bytes - (host_side if placement == "gpu" else 0)
-    tower = chosen.need_bytes - device_side - host_side
-    parts = (f"tower {gib(tower)} + KV {gib(kv)} + recurrent {gib(rec)} + compute {gib(mem.compute_bytes)}"
+    needed = chosen.need_bytes - (need.host_side if placement == "gpu" else 0)
+    reason = (_fit_reason(profile, family, chosen, need, placement, gpu, budget, needed, context_tokens)
+              + _notes(profile, family, candidates, chosen, placement, gpu, gpu_budget))
+    return Recommendation(family.name, chosen.quant, chosen.source, placement, context_tokens, budget, needed,
+                          reason, breakdown, tuple(candidates), nvfp4)
+
+
+def _candidates(profile: DeviceProfile, family: Family, need: _Need, gpu_budget: int) -> list[Candidate]:
+    """Every quant of ``family`` in catalog (quality) order, each with its need and where it fits."""
+    out = []
+    for quant in family.quants():
+        size, basis = family.tower_size(quant)
+        tower = int(size * SIZE_MARGIN[basis])
+        fits_cpu, fits_gpu = _fits(profile, tower, need.device_side, need.host_side, gpu_budget)
+        out.append(Candidate(quant, family.tower_source(quant).alias, size, basis,
+                             tower + need.device_side + need.host_side, fits_cpu and quant not in CPU_SKIP, fits_gpu))
+    return out
+
+
+def _choose(family: Family, candidates: list[Candidate]) -> Candidate | None:
+    """The best that fits: from a pinned source first (a recommendation should be reproducible),
+    from an unpinned one only if nothing else fits."""
+    pinned = [c for c in candidates if family.source(c.source).pinned]
+    return next((c for c in pinned if c.fits), None) or next((c for c in candidates if c.fits), None)
+
+
+def _kept_free(profile: DeviceProfile) -> str:
+    return (f"{gib(profile.available_ram)} available; {gib(free_headroom(profile.total_ram))} of it and "
+            f"{gib(os_reserve(profile.total_ram))} of the total kept free")
+
+
+def _nothing_fits(profile: DeviceProfile, family: Family, candidates: list[Candidate], need: _Need,
+                  context_tokens: int, gpu_budget: int) -> str:
+    """Why no quant fits, the smallest's need, and whether a smaller context would do."""
+    host = host_budget(profile)
+    smallest = min(candidates, key=lambda c: c.need_bytes)
+    small_ctx = 2048
+    at_small = smallest.need_bytes - need.kv + family.memory.kv_bytes_per_token * small_ctx
+    hint = (f" With --ctx {small_ctx} it would need {gib(at_small)}."
+            if context_tokens > small_ctx and at_small <= host else "")
+    return (f"No {family.name} quant fits this machine: the smallest, {smallest.quant} "
+            f"({smallest.size_bytes / 1e9:.2f} GB, {smallest.size_basis} size), needs "
+            f"{gib(smallest.need_bytes)} at {context_tokens:,} tokens of context but only {gib(host)} of RAM "
+            f"is usable ({_kept_free(profile)})"
+            + (f" and {gib(gpu_budget)} of VRAM" if gpu_budget else "") + f".{hint}"
+            " Free memory, use a smaller context, or a machine with more memory.")
+
+
+def _fit_reason(profile: DeviceProfile, family: Family, chosen: Candidate, need: _Need, placement: str,
+                gpu: GPU | None, budget: int, needed: int, context_tokens: int) -> str:
+    """What ``chosen`` needs, part by part, of the memory where it is placed."""
+    mem = family.memory
+    tower = chosen.need_bytes - need.device_side - need.host_side
+    parts = (f"tower {gib(tower)} + KV {gib(need.kv)} + recurrent {gib(need.recurrent)} + compute "
+             f"{gib(mem.compute_bytes)}"
              + ("" if placement == "gpu" else f" + head {gib(mem.head_bytes)} + lexical rows "
                 f"{gib(mem.lexical_rows_bytes)} + runtime {gib(mem.runtime_bytes)}"))
     if placement == "gpu" and gpu is not None:  # a GPU placement has a GPU: gpu_budget > 0
         where = f"{gib(budget)} of VRAM usable on GPU {gpu.index} ({gpu.name})"
     else:
-        where = (f"{gib(budget)} of RAM usable ({gib(profile.available_ram)} available; "
-                 f"{gib(breakdown['free_headroom'])} of it and {gib(breakdown['os_reserve'])} of the total kept free)")
-    reason = (f"{chosen.quant} from {chosen.source} ({chosen.size_bytes / 1e9:.2f} GB, {chosen.size_basis} size)"
-              f" is the best quant that fits: it needs {gib(need)} at {ctx} ({parts}) of {where}.")
+        where = f"{gib(budget)} of RAM usable ({_kept_free(profile)})"
+    return (f"{chosen.quant} from {chosen.source} ({chosen.size_bytes / 1e9:.2f} GB, {chosen.size_basis} size)"
+            f" is the best quant that fits: it needs {gib(needed)} at {context_tokens:,} tokens of context "
+            f"({parts}) of {where}.")
+
+
+def _notes(profile: DeviceProfile, family: Family, candidates: list[Candidate], chosen: Candidate,
+           placement: str, gpu: GPU | None, gpu_budget: int) -> str:
+    """What else the user should know: the next better quant, what was passed over and why, the build."""
+    reason = ""
     better = [c for c in candidates[:candidates.index(chosen)] if c.quant not in CPU_SKIP or gpu_budget]
     if better:
-        nxt = better[-1]
-        reason += f" The next better, {nxt.quant}, needs {gib(nxt.need_bytes)}."
-    if placement == "cpu" and candidates[0].quant in CPU_SKIP and candidates[0].need_bytes <= host:
+        reason += f" The next better, {better[-1].quant}, needs {gib(better[-1].need_bytes)}."
+    if placement == "cpu" and candidates[0].quant in CPU_SKIP and candidates[0].need_bytes <= host_budget(profile):
         reason += " BF16 is not picked for CPU (twice Q8_0's bytes per token for no measured gain)."
     skipped = [c.quant for c in candidates[:candidates.index(chosen)] if c.fits]
     if skipped:
@@ -233,9 +278,7 @@ def recommend(profile: DeviceProfile, family: Family | str = "clef-flash", *,
         reason += " GPU placement needs llama-cpp-python built with CUDA (not checked: llama_cpp not importable)."
     if gpu is not None and profile.gpu_offload is False:
         reason += " A GPU is present but this llama-cpp-python build cannot offload, so RAM was used."
-    reason += _cpu_note(profile, placement)
-    return Recommendation(family.name, chosen.quant, chosen.source, placement, context_tokens, budget, need,
-                          reason, breakdown, tuple(candidates), nvfp4)
+    return reason + _cpu_note(profile, placement)
 
 
 def fp4_note(gpu: GPU) -> str:
@@ -356,12 +399,9 @@ def gpu_layers(profile: DeviceProfile, tower_bytes: int, family: Family | str = 
         return 0
     if isinstance(family, str):
         family = (catalog or load_catalog()).family(family)
-    mem = family.memory
-    device_side = (mem.kv_bytes_per_token * context_tokens + mem.recurrent_bytes_per_sequence
-                   + mem.compute_bytes)
-    host_side = mem.head_bytes + mem.lexical_rows_bytes + mem.runtime_bytes
+    need = _need(family, context_tokens, sequences=1)
     _, budget = _gpu_budget(profile)
-    return -1 if _fits(profile, tower_bytes, device_side, host_side, budget)[1] else 0
+    return -1 if _fits(profile, tower_bytes, need.device_side, need.host_side, budget)[1] else 0
 
 
 def _cpu_note(profile: DeviceProfile, placement: str) -> str:
