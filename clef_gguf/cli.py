@@ -79,14 +79,27 @@ def add_decide_arguments(p: argparse.ArgumentParser) -> None:
                         '"truncated": true) instead of refusing the request')
     p.add_argument("--timings", action="store_true",
                    help="print the time per stage (encode/tower/lexical/head, ms) on stderr")
+    p.add_argument("--evidence", nargs="?", const="attention", choices=("attention", "occlusion"),
+                   help='add the state spans each answer\'s attention rested on ("evidence": true); '
+                        "=occlusion also re-runs the decision without each span (docs/evidence.md)")
+    p.add_argument("--format", choices=("json", "text"), default="json",
+                   help="json (default): the response as sent over HTTP; text: answers and evidence "
+                        "as lines for people")
 
 
 def run_decide(args: argparse.Namespace) -> int:
     request = read_request(args.request)
+    if args.evidence is not None and isinstance(request, dict):
+        request = {**request, "evidence": {"mode": args.evidence}}
     with load_model(args) as clef:
         prepared = clef.prepare(request, truncate_state=args.truncate_state)
         response, timings = clef.run(prepared)
-    print(json.dumps(response, ensure_ascii=False, indent=2))
+    if args.format == "text":
+        from clef_gguf.pipeline.answer_text import as_text
+
+        print(as_text(response))
+    else:
+        print(json.dumps(response, ensure_ascii=False, indent=2))
     if args.timings:
         print(json.dumps({"timings_ms": timings}), file=sys.stderr)
     return 0

@@ -62,7 +62,8 @@ DECIDE = ("Answer questions about a state with the Clef decision model (Cloudfla
           "`score` = a level of `criteria` (a list, lowest first), answered with the expected level "
           "0..n-1, the likeliest level's probability and every level's. Optional: `instructions` "
           "per question, `images` (data: URIs or base64), `model` (a served model or fine-tune; "
-          "see the models tool), `options` ({truncate_state, strict}).")
+          "see the models tool), `options` ({truncate_state, strict}), `evidence` (true: the state "
+          "spans each answer's attention rested on; {\"mode\": \"occlusion\"} also re-runs without each).")
 MODELS = "The models this server answers with (a base and its fine-tunes), the default first."
 SUMMARY_MAX = 60  # characters of a score level's description in the text summary
 

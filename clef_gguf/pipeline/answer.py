@@ -147,6 +147,8 @@ def batch_envelope(results: list[tuple[Any, dict | None, dict | None]], model: s
         result = {"id": item_id, "answers": response["answers"]}
         if response.get("truncated"):
             result["truncated"] = True
+        if "evidence" in response:  # asked for (opt-in): each result carries its own
+            result["evidence"] = response["evidence"]
         if mixed:
             result |= {"model": response["model"], "model_hash": response["audit"]["model_hash"]}
         out.append(result)

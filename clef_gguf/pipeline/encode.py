@@ -71,6 +71,7 @@ class Encoded:
     # Images and videos: their ids open the state segment (right after the prefix, as the reference
     # places them); ``media`` says where their embeddings go and every token's M-RoPE position.
     media: MediaPrompt | None = None
+    media_tokens: int = 0  # the pictures' ids at the start of the state segment
 
     @property
     def n_tokens(self) -> int:
@@ -193,6 +194,7 @@ class Encoder:
             option_counts=tuple(len(q.options) for q in request.questions),
             types=tuple(q.type_index for q in request.questions),
             state_tokens=len(media_ids) + len(state),
+            media_tokens=len(media_ids),
             prefix_tokens=len(self.prefix),
             truncated=truncated,
         )

@@ -22,6 +22,7 @@ import pydantic
 
 from clef_gguf.core import errors
 from clef_gguf.core.questions import CHOICE_OPTIONS, MAX_QUESTIONS, SCORE_LEVELS, TYPE_INDEX
+from clef_gguf.pipeline.evidence import EvidenceSpec, parse_evidence
 from clef_gguf.pipeline.wire import QuestionSpec, SystemOneRequest
 
 NOUL_DEFAULTS = {
@@ -137,6 +138,7 @@ class Request:
     images: tuple[str, ...] = ()  # each a data: URI, base64, a path or a URL (clef_gguf.media reads them)
     videos: tuple[Any, ...] = ()  # each a list of frames (image strings), nested as the reference takes them
     media_kwargs: dict[str, Any] | None = None  # the processor's keywords, as sent
+    evidence: EvidenceSpec | None = None  # what the opt-in "evidence" key asked for (None: nothing)
 
     @property
     def has_media(self) -> bool:
@@ -347,7 +349,8 @@ def parse_request(body: Any, *, truncate_state: bool = False, strict: bool = Fal
     questions = tuple(_question(qid, spec, policy) for qid, spec in wire.questions.items())
     wants_truncation = truncate_state or bool(wire.options and wire.options.truncate_state)
     return Request(wire.model, wire.state, questions, wants_truncation, tuple(policy.warnings),
-                   wire.calibration, images, videos, wire.media_kwargs if (images or videos) else None)
+                   wire.calibration, images, videos, wire.media_kwargs if (images or videos) else None,
+                   parse_evidence(wire.evidence))
 
 
 # The image objects clients send, (bytes key, type key): avrik-sdk's and Workers AI's. Each is the

@@ -151,3 +151,6 @@ class SystemOneRequest(BaseModel):
                                                "422 wrong_calibration")
     media_kwargs: dict[str, Any] | None = Field(None, description="the processor's size, min_pixels, "
                                                 "max_pixels, do_sample_frames, fps; other keys ignored")
+    evidence: Any = Field(None, description="ours, opt-in: true or {\"top\": 1-32, \"mode\": \"attention\" "
+                                            "| \"occlusion\", \"options\": bool, \"grid\": bool}: the state "
+                                            "spans each answer's attention rested on (docs/evidence.md)")

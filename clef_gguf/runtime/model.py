@@ -8,6 +8,7 @@ and which one a request's ``model`` picks, is ``registry.Models``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from clef_gguf.pipeline import answer
 from clef_gguf.pipeline.encode import TEMPLATE_SHA256, Encoded, Encoder, Prepared
 from clef_gguf.pipeline.lexical import RowStore
 from clef_gguf.pipeline.request import parse_request
-from clef_gguf.runtime import engine, load as loader, stages
+from clef_gguf.runtime import engine, evidence, load as loader, stages
 from clef_gguf.runtime.registry import Models
 from clef_gguf.runtime.settings import Adapters, LoadSettings
 from clef_gguf.tower.cache import StateCache
@@ -131,7 +132,11 @@ class Clef:
                                             enc.media)
         return self._answer(prepared, hidden, cached, (time.perf_counter() - t0) * 1e3)
 
-    def decide(self, request: Any, *, truncate_state: bool = False, strict: bool | None = None) -> dict:
+    def decide(self, request: Any, *, truncate_state: bool = False, strict: bool | None = None,
+               evidence: bool | dict[str, Any] | None = None) -> dict:
+        """``evidence``: the request's ``"evidence"`` key set from Python (docs/evidence.md)."""
+        if evidence is not None and isinstance(request, dict):
+            request = {**request, "evidence": evidence}
         return self.run(self.prepare(request, truncate_state=truncate_state, strict=strict)).response
 
     def logits(self, enc: Encoded) -> np.ndarray:
@@ -187,8 +192,10 @@ class Clef:
         return [out[i] if i in out else engine.attempt(self.run, p) for i, p in enumerate(prepared)]
 
     def _answer(self, prepared: Prepared, hidden: np.ndarray, cached: int, tower_ms: float) -> answer.Decision:
+        explain = None if prepared.request.evidence is None else functools.partial(evidence.explain, self, prepared)
         return stages.decision(prepared, hidden, cached, tower_ms, head=self.head, lexical=self.lexical,
-                               provenance=self.provenance, temperatures=self.temperatures(prepared.encoded))
+                               provenance=self.provenance, temperatures=self.temperatures(prepared.encoded),
+                               explain=explain)
 
     def close(self) -> None:
         self.tower.close()  # a fine-tune's view closes nothing: the base's tower owns the weights

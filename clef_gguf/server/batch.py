@@ -96,6 +96,8 @@ def _from_entry(i: int, entry: Any, body: schema.InputsBatch) -> BatchItem:
         request["options"] = body.options
     if "calibration" in shared:
         request["calibration"] = body.calibration
+    if "evidence" in shared:
+        request["evidence"] = body.evidence
     if "images" in given:
         request["images"] = parsed.images  # the core refuses media with a clear reason
     return BatchItem(item_id, request)

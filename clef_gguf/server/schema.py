@@ -75,6 +75,7 @@ class InputsBatch(BaseModel):
     questions: AnyQuestions = None
     options: AnyOptions = None
     calibration: Any = Field(None, description="as in a single request")
+    evidence: Any = Field(None, description="as in a single request: every input's answers with evidence")
 
 
 class BatchRequest(SystemOneRequest):
