@@ -8,21 +8,32 @@ numbers mean, and what they do not: docs/evidence.md.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
+import torch
 
 from clef_gguf.heads.attention import HeadAttention
 from clef_gguf.pipeline import answer, evidence_spans as spans
-from clef_gguf.pipeline.encode import Encoded, Prepared
+from clef_gguf.pipeline.encode import Encoded, Encoder, Prepared
 from clef_gguf.pipeline.mediaprompt import positions
+from clef_gguf.pipeline.lexical import RowStore
 from clef_gguf.runtime import stages
-
-if TYPE_CHECKING:
-    from clef_gguf.runtime.model import Clef
+from clef_gguf.tower.protocol import LanguageTower
 
 
-def explain(model: Clef, prepared: Prepared, probs: list[np.ndarray], attention: HeadAttention) -> dict[str, Any]:
+class Model(Protocol):
+    """The parts of a ``Clef`` that evidence reads and re-runs."""
+
+    encoder: Encoder
+    tower: LanguageTower
+    lexical: RowStore
+    head: torch.nn.Module
+
+    def temperatures(self, enc: Encoded) -> tuple[float, ...]: ...
+
+
+def explain(model: Model, prepared: Prepared, probs: list[np.ndarray], attention: HeadAttention) -> dict[str, Any]:
     """The evidence block of ``prepared``'s response (``probs``: its probabilities, prompt order)."""
     spec, request, enc = prepared.request.evidence, prepared.request, prepared.encoded
     assert spec is not None
@@ -54,7 +65,7 @@ def explain(model: Clef, prepared: Prepared, probs: list[np.ndarray], attention:
     return out
 
 
-def occlude(model: Clef, prepared: Prepared, probs: list[np.ndarray], chosen: list[int],
+def occlude(model: Model, prepared: Prepared, probs: list[np.ndarray], chosen: list[int],
             questions: dict[str, Any], text: str) -> int:
     """Re-run the decision once per distinct span (the state with that span's characters taken out)
     and write each span's ``delta_p`` (the chosen option's probability after minus before) and, when
@@ -86,7 +97,7 @@ def _spans_with_option(block: dict[str, Any], ids: list[str], chosen: int) -> li
     return out
 
 
-def rerun(model: Clef, prepared: Prepared, state: str) -> list[np.ndarray]:
+def rerun(model: Model, prepared: Prepared, state: str) -> list[np.ndarray]:
     """The probabilities per question with ``state`` (text) as the state, the rest of the prompt and
     the pictures as they were. Not cached: an occluded state is asked for once."""
     enc = prepared.encoded
