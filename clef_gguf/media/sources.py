@@ -38,7 +38,7 @@ from typing import IO
 import PIL.Image
 import PIL.ImageOps
 
-from clef_gguf.core import errors
+from clef_gguf.core import errors, refusals
 
 # What torchvision's decode_image reads (AVIF/HEIC need an extra package the reference does not have);
 # MPO is how Pillow names the multi-picture JPEGs cameras write (torchvision decodes the first picture).
@@ -329,8 +329,9 @@ def decode_image(data: bytes, policy: MediaPolicy, field: str) -> PIL.Image.Imag
                                       field=field)
         width, height = image.size
         if width * height > policy.max_pixels:
-            raise errors.MediaTooLarge(f"the image has {width}x{height} pixels, over the budget of "
-                                       f"{policy.max_pixels}", field=field)
+            raise errors.MediaTooLarge(refusals.canvas(f"the image has {width}x{height} pixels, over the budget "
+                                                       f"of {policy.max_pixels}", f"{policy.max_pixels} pixels"),
+                                       field=field)
         # torchvision decodes every GIF frame (a 4-D tensor the processor cannot take) and refuses
         # animated WebP; for APNG and MPO it reads the first picture, as Pillow opens them.
         if image.format in ("GIF", "WEBP") and getattr(image, "n_frames", 1) > 1:
@@ -358,8 +359,9 @@ def load_image(source: str, policy: MediaPolicy, field: str) -> PIL.Image.Image:
 def check_count(count: int, policy: MediaPolicy, field: str) -> None:
     """Refuse a request that would decode more than ``policy.max_images`` pictures."""
     if count > policy.max_images:
-        raise errors.MediaTooLarge(f"{count} images or video frames, over the limit of {policy.max_images}",
-                                   field=field)
+        raise errors.MediaTooLarge(refusals.canvas(f"{count} images or video frames, over the limit of "
+                                                   f"{policy.max_images}",
+                                                   f"{policy.max_images} images or video frames"), field=field)
 
 
 def load_images(sources: Sequence[str], policy: MediaPolicy, field: str = "images") -> list[PIL.Image.Image]:

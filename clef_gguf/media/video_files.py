@@ -26,7 +26,7 @@ from typing import IO, TYPE_CHECKING
 import numpy as np
 import torch
 
-from clef_gguf.core import errors
+from clef_gguf.core import errors, refusals
 from clef_gguf.media.config import VisionSettings
 from clef_gguf.media.sources import MediaPolicy, open_source
 
@@ -113,19 +113,23 @@ def _decode(container: InputContainer, policy: MediaPolicy, settings: VisionSett
     fps = float(rate)
     duration = total / fps
     if duration > policy.max_video_seconds:
-        raise errors.MediaTooLarge(f"the video lasts {duration:.1f} s ({total} frames at {fps:g} fps), over "
-                                   f"the limit of {policy.max_video_seconds:g} s", field=field)
+        raise errors.MediaTooLarge(refusals.canvas(f"the video lasts {duration:.1f} s ({total} frames at {fps:g} "
+                                                   f"fps), over the limit of {policy.max_video_seconds:g} s",
+                                                   f"{policy.max_video_seconds:g} s of video"), field=field)
     if width * height > policy.max_pixels:
-        raise errors.MediaTooLarge(f"the video's frames have {width}x{height} pixels, over the budget of "
-                               f"{policy.max_pixels}", field=field)
+        raise errors.MediaTooLarge(refusals.canvas(f"the video's frames have {width}x{height} pixels, over the "
+                                                   f"budget of {policy.max_pixels}", f"{policy.max_pixels} pixels"),
+                                   field=field)
     indices = sample_indices(total, fps, settings)
     wanted = sorted(set(indices))
     if len(wanted) > policy.max_video_frames:
-        raise errors.MediaTooLarge(f"{len(wanted)} frames sampled from the video, over the limit of "
-                                   f"{policy.max_video_frames} frames (lower media_kwargs.fps)", field=field)
+        raise errors.MediaTooLarge(refusals.canvas(f"{len(wanted)} frames sampled from the video, over the limit "
+                                                   f"of {policy.max_video_frames} frames (lower media_kwargs.fps)",
+                                                   f"{policy.max_video_frames} frames"), field=field)
     if pixels_spent + len(wanted) * width * height > policy.max_video_pixels:
-        raise errors.MediaTooLarge(f"{len(wanted)} frames of {width}x{height} pixels, over the budget of "
-                                   f"{policy.max_video_pixels} decoded video pixels per request", field=field)
+        raise errors.MediaTooLarge(refusals.canvas(f"{len(wanted)} frames of {width}x{height} pixels, over the "
+                                                   f"budget of {policy.max_video_pixels} decoded video pixels per "
+                                                   "request", f"{policy.max_video_pixels} video pixels"), field=field)
     frames = _read_frames(container, wanted, policy, field)
     if len(frames) < len(wanted):
         raise errors.InvalidMedia(f"the video is truncated: {len(frames)} of the {len(wanted)} sampled frames "
@@ -150,8 +154,9 @@ def _read_frames(container: InputContainer, wanted: Sequence[int], policy: Media
             break
         if i in keep:
             if frame.width * frame.height > policy.max_pixels:
-                raise errors.MediaTooLarge(f"a video frame has {frame.width}x{frame.height} pixels, over the "
-                                           f"budget of {policy.max_pixels}", field=field)
+                raise errors.MediaTooLarge(refusals.canvas(f"a video frame has {frame.width}x{frame.height} pixels, "
+                                                           f"over the budget of {policy.max_pixels}",
+                                                           f"{policy.max_pixels} pixels"), field=field)
             frames.append(frame.to_ndarray(format="rgb24"))
         if time.monotonic() > deadline:
             raise errors.MediaTooLarge(f"decoding the video took over {policy.video_decode_s:g} s "

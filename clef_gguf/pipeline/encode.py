@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import tokenizers
 
-from clef_gguf.core import errors
+from clef_gguf.core import errors, refusals
 from clef_gguf.core.limits import CONTEXT_WINDOW
 from clef_gguf.pipeline.mediaprompt import MediaPrompt
 from clef_gguf.pipeline.request import Question, Request
@@ -168,7 +168,7 @@ class Encoder:
         if fixed > self.max_length:
             what = "schema" if not media_ids else f"schema and media ({len(media_ids)} tokens)"
             raise errors.ContextTooLarge(
-                f"{what} requires {fixed} tokens before state; maximum is {self.max_length}",
+                refusals.fixed_part(what, fixed, self.max_length),
                 field="questions" if not media_ids else ("images" if request.images else "videos"))
         room = self.max_length - fixed
         state, exact = self.state_ids(render(request.state), room)
@@ -177,9 +177,7 @@ class Encoder:
             if not request.truncate_state:
                 needs = f"{fixed + len(state)} tokens ({len(state)} of them state)" if exact else \
                     f"more than {fixed + len(state)} tokens"
-                raise errors.ContextTooLarge(
-                    f"the request needs {needs}; the window is {self.max_length}. Shorten the "
-                    "state, or ask for truncate_state to keep its first tokens", field="state")
+                raise errors.ContextTooLarge(refusals.context_window(needs, self.max_length), field="state")
             state = state[:room]
             truncated = True
 
@@ -194,7 +192,7 @@ class Encoder:
             option_counts=tuple(len(q.options) for q in request.questions),
             types=tuple(q.type_index for q in request.questions),
             state_tokens=len(media_ids) + len(state),
-            media_tokens=len(media_ids),
             prefix_tokens=len(self.prefix),
             truncated=truncated,
+            media_tokens=len(media_ids),
         )

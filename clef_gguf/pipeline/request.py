@@ -20,7 +20,7 @@ from typing import Any
 
 import pydantic
 
-from clef_gguf.core import errors
+from clef_gguf.core import errors, refusals
 from clef_gguf.core.questions import CHOICE_OPTIONS, MAX_QUESTIONS, SCORE_LEVELS, TYPE_INDEX
 from clef_gguf.pipeline.evidence import EvidenceSpec, parse_evidence
 from clef_gguf.pipeline.wire import QuestionSpec, SystemOneRequest
@@ -242,17 +242,14 @@ class _Policy:
         for key in model.model_extra or {}:
             self.ignored(f"{prefix}{key}", why)
 
-    def count(self, qid: str, n: int, limits: tuple[int, int], kind: str, unit: str,
-              where: str) -> None:
+    def count(self, qid: str, n: int, limits: tuple[int, int], kind: str, where: str) -> None:
         if not self.strict:
             return
         lo, hi = limits
         if n < lo:
-            raise errors.TooFewOptions(f"{qid}: a {kind} needs at least {lo} {unit} (got {n})",
-                                       field=where)
+            raise errors.TooFewOptions(refusals.too_few_options(qid, kind, n), field=where)
         if n > hi:
-            raise errors.TooManyOptions(f"{qid}: a {kind} accepts at most {hi} {unit} (got {n})",
-                                        field=where)
+            raise errors.TooManyOptions(refusals.too_many_options(qid, kind, n), field=where)
 
 
 def _choice_options(qid: str, criteria: Any, where: str,
@@ -260,7 +257,7 @@ def _choice_options(qid: str, criteria: Any, where: str,
     if not isinstance(criteria, dict):  # the reference crashes on a list here
         raise errors.InvalidCriteria(
             "choice criteria must be an object {option_id: description}", field=where)
-    policy.count(qid, len(criteria), CHOICE_OPTIONS, "choice", "options", where)
+    policy.count(qid, len(criteria), CHOICE_OPTIONS, "choice", where)
     if policy.strict and "" in criteria:
         raise errors.InvalidCriteria(f"{qid}: an option id is empty", field=where)
     # Prompt order is Python's str sort (code-point order), exactly as the reference.
@@ -273,7 +270,7 @@ def _score_options(qid: str, criteria: Any, where: str,
     if not isinstance(criteria, list):  # the reference's legend lookup crashes on an object
         raise errors.InvalidCriteria(
             "score criteria must be a list of level descriptions, lowest first", field=where)
-    policy.count(qid, len(criteria), SCORE_LEVELS, "score", "levels", where)
+    policy.count(qid, len(criteria), SCORE_LEVELS, "score", where)
     return tuple(Option(str(i), desc) for i, desc in enumerate(criteria)), tuple(criteria)
 
 
@@ -344,8 +341,7 @@ def parse_request(body: Any, *, truncate_state: bool = False, strict: bool = Fal
     if not wire.questions:
         raise errors.NoQuestions("at least one question is required", field="questions")
     if policy.strict and len(wire.questions) > MAX_QUESTIONS:
-        raise errors.TooManyQuestions(f"at most {MAX_QUESTIONS} questions per request "
-                                      f"(got {len(wire.questions)})", field="questions")
+        raise errors.TooManyQuestions(refusals.too_many_questions(len(wire.questions)), field="questions")
     questions = tuple(_question(qid, spec, policy) for qid, spec in wire.questions.items())
     wants_truncation = truncate_state or bool(wire.options and wire.options.truncate_state)
     return Request(wire.model, wire.state, questions, wants_truncation, tuple(policy.warnings),

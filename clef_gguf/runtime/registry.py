@@ -4,8 +4,9 @@ by a request's ``model``.
 
 Routing follows the reference, which ignores ``model``: a name served here (the base, a fine-tune, or
 the base's family name such as ``clef-flash``, which clients send) picks that model; any other name
-is answered by the default model, with a ``warnings`` entry saying so, and refused only when strict
-(``unknown_model``, 404). A ``Clef`` itself never routes: a model you hold answers as itself.
+is answered by the default model, with a ``warnings`` entry saying so (one model: no warning, as the
+reference), and refused when strict, with one model or several (``unknown_model``, 404). A ``Clef``
+itself never routes: a model you hold answers as itself.
 """
 
 from __future__ import annotations
@@ -135,16 +136,19 @@ class Models(Mapping[str, M]):
     # ------------------------------------------------------------ routing
     def route(self, name: str | None, *, strict: bool | None = None) -> tuple[M, dict[str, str] | None]:
         """The model a request's ``model`` names, and the warning to answer with (None: none). With
-        one model there is nothing to choose: any name is answered by it and echoed, as before."""
-        if name is None or len(self.models) == 1:
+        one model there is nothing to choose: any name is answered by it and echoed, without a warning,
+        unless strict, which refuses a name not served here whatever the number of models."""
+        if name is None:
             return self.default_model, None
         found = self.models.get(self.aliases.get(name, name))
         if found is not None:
             return found, None
-        served = ", ".join(sorted(self.models))
+        served = ", ".join(sorted([*self.models, *self.aliases]))
         if self.strict if strict is None else strict:
             raise errors.UnknownModel(f"no model named {name!r} here; this process serves {served}",
                                       field="model")
+        if len(self.models) == 1:
+            return self.default_model, None
         return self.default_model, {
             "code": "unknown_model", "field": "model",
             "message": f"no model named {name!r} here: answered by {self.default} (this process "

@@ -151,14 +151,18 @@ def test_the_family_name_is_an_alias_of_the_base(served):
     assert "warnings" not in got and _answers(got) == _answers(served.decide(dict(REQUEST, model="a")))
 
 
-def test_one_model_answers_any_name_strict_or_not(served):
+def test_one_model_answers_any_name_unless_strict(served):
     from clef_gguf.runtime.registry import Models
 
-    for strict in (False, True):
-        alone = Models(served.base, strict=strict)
-        got = alone.decide(dict(REQUEST, model="@cf/cloudflare/clef-flash"))
-        assert got["model"] == "@cf/cloudflare/clef-flash" and "warnings" not in got
-        assert _answers(got) == _answers(served.decide(REQUEST))
+    alone = Models(served.base)
+    got = alone.decide(dict(REQUEST, model="@cf/cloudflare/clef-flash"))
+    assert got["model"] == "@cf/cloudflare/clef-flash" and "warnings" not in got  # as the reference
+    assert _answers(got) == _answers(served.decide(REQUEST))
+    strict = Models(served.base, strict=True)  # what --strict's help promises, with one model too
+    with pytest.raises(errors.UnknownModel) as exc:
+        strict.decide(dict(REQUEST, model="@cf/cloudflare/clef-flash"))
+    assert exc.value.field == "model" and served.base.name in exc.value.message
+    assert _answers(strict.decide(dict(REQUEST, model=served.base.name))) == _answers(served.decide(REQUEST))
     import dataclasses
 
     assert Models.of(dataclasses.replace(served.base, strict=True)).strict  # a strict Clef's set is strict
