@@ -170,7 +170,7 @@ class Planned:
 
 
 def checkpoint_files(src: Path) -> list[Path]:
-    index = src / "model.safetensors.index.json"
+    index = src / files.SAFETENSORS_INDEX
     if index.is_file():
         try:
             names = sorted(set(read_json(index)["weight_map"].values()))

@@ -33,12 +33,12 @@ from clef_gguf.formats import files
 from clef_gguf.formats.safetensors import Tensors
 from clef_gguf.convert.hf_to_gguf import SUPPORTED, load_config, open_weights, read_json, scan_checkpoint
 from clef_gguf.tower.nvfp4 import format as fmt
+from clef_gguf.tower.nvfp4.checkpoint import FORMAT
 
 SCHEMES = ("nvfp4a16", "nvfp4")
 # Our scheme name -> compressed-tensors' preset (its args are what llm-compressor writes).
 PRESETS = {"nvfp4a16": "NVFP4A16", "nvfp4": "NVFP4"}
 ACTIVATIONS = {"nvfp4a16": False, "nvfp4": True}
-FORMAT = "nvfp4-pack-quantized"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 MAX_SHARD_BYTES = 5 * 10**9  # one shard is what the writer holds in memory at a time
 # The quantized Linear layers of one decoder layer, grouped as they are fused at run time.
@@ -267,7 +267,7 @@ def write_checkpoint(stage: Path, entries: list[Entry], reader: _Reader, max_byt
         del tensors
     if len(shards) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (stage / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        (stage / files.SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
     return len(shards)
 
 

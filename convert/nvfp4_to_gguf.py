@@ -47,9 +47,9 @@ from clef_gguf.core.errors import ConversionError, ModelNotFound
 from clef_gguf.formats import files
 from clef_gguf.formats.gguf import TOWER_ARCH
 from clef_gguf.tower.nvfp4 import format as fmt
+from clef_gguf.tower.nvfp4.checkpoint import FORMAT
 
 OUTTYPE = "nvfp4-gguf"  # what `convert --outtype` calls it, and the tower file's name
-FORMAT = "nvfp4-pack-quantized"
 NVFP4 = gguf.GGMLQuantizationType.NVFP4
 FILE_TYPE = int(gguf.LlamaFileType.MOSTLY_NVFP4)
 BLOCK = 64  # values per block_nvfp4

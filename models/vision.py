@@ -29,14 +29,14 @@ from typing import IO, Any
 from filelock import FileLock, Timeout
 
 from clef_gguf.core.errors import CorruptModel, ModelLoadError, ModelNotFound
-from clef_gguf.formats.files import CHECKPOINT_CONFIG, VISION_CONFIG, VISION_PREFIXES, VISION_WEIGHTS, staged_directory
+from clef_gguf.formats.files import (CHECKPOINT_CONFIG, SAFETENSORS_INDEX, VISION_CONFIG, VISION_PREFIXES,
+                                     VISION_WEIGHTS, staged_directory)
 from clef_gguf.models.catalog import Source
 from clef_gguf.models.download import download, hub_errors, hub_file
 from clef_gguf.models.hfcache import COMMIT_RE, endpoint, record_verified, token, verify, vision_dir
 
 LIST = "clef-gguf-vision.json"
 LIST_FORMAT = "clef-gguf-vision/1"
-INDEX = "model.safetensors.index.json"
 SHARDS = "model*.safetensors"
 # The release's image and video processor settings, whatever the release calls them (the Hub's split
 # preprocessor_config.json / video_preprocessor_config.json, or transformers' nested processor_config.json).
@@ -186,19 +186,20 @@ def _listing(src: Source, commit: str) -> dict[str, int]:
 
 def _shards(src: Source, commit: str, listing: dict[str, int], progress: bool) -> list[str]:
     """The weight files holding vision tensors: those the index names for them, else every shard."""
-    if INDEX not in listing:
+    if SAFETENSORS_INDEX not in listing:
         return sorted(n for n in listing if fnmatch.fnmatch(n, SHARDS))
-    path = download(src, INDEX, commit, local_only=False, progress=progress)
+    path = download(src, SAFETENSORS_INDEX, commit, local_only=False, progress=progress)
     try:
         weight_map = json.loads(path.read_bytes().decode("utf-8")).get("weight_map")
     except (OSError, ValueError, RecursionError, AttributeError) as exc:
-        raise CorruptModel(f"{src.repo}@{commit} / {INDEX} is not an index: {exc}", field="model") from None
+        raise CorruptModel(f"{src.repo}@{commit} / {SAFETENSORS_INDEX} is not an index: {exc}", field="model") from None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise CorruptModel(f"{src.repo}@{commit} / {INDEX} has no weight_map of tensor -> file", field="model")
+        raise CorruptModel(f"{src.repo}@{commit} / {SAFETENSORS_INDEX} has no weight_map of tensor -> file",
+                           field="model")
     shards = sorted({f for name, f in weight_map.items() if name.startswith(VISION_PREFIXES)})
     missing = [f for f in shards if f not in listing]
     if missing:
-        raise CorruptModel(f"{src.repo}@{commit} / {INDEX} names weight files the repository does not hold "
+        raise CorruptModel(f"{src.repo}@{commit} / {SAFETENSORS_INDEX} names weight files the repository does not hold "
                            f"at its top level: {', '.join(missing[:3])}", field="model")
     return shards
 

@@ -32,6 +32,7 @@ ROLES = ("tower", "head_weights", "head_config", "tokenizer")
 # PyTorch (``tower`` is then the checkpoint's config.json; its safetensors lie beside it).
 BACKENDS = ("gguf", "nvfp4")
 CHECKPOINT_CONFIG = "config.json"
+SAFETENSORS_INDEX = "model.safetensors.index.json"  # a sharded checkpoint's tensor -> file map
 # A model's vision tower: the release's ``vision_config`` (verbatim) and its vision tensors (prefix
 # stripped, as stored), beside the tower (``convert``) or in their own directory (a catalog pull).
 VISION_WEIGHTS = "vision.safetensors"

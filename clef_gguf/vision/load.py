@@ -18,14 +18,13 @@ import torch
 
 from clef_gguf.core import errors
 from clef_gguf.core.errors import CorruptModel, ModelNotFound
-from clef_gguf.formats.files import VISION_CONFIG, VISION_WEIGHTS
+from clef_gguf.formats.files import SAFETENSORS_INDEX, VISION_CONFIG, VISION_WEIGHTS
 from clef_gguf.formats.files import VISION_PREFIXES as PREFIXES
 from clef_gguf.formats.safetensors import opened
 from clef_gguf.vision.model import ACTIVATIONS, VisionConfig, VisionModel, rope_inv_freq
 
 FIELD = "vision"
 RELEASE_CONFIG = "config.json"
-RELEASE_INDEX = "model.safetensors.index.json"
 SIZE_KEYS = ("depth", "hidden_size", "intermediate_size", "num_heads", "patch_size", "temporal_patch_size",
              "spatial_merge_size", "in_channels", "num_position_embeddings", "out_hidden_size")
 # Far above any release tower (the 9B: 27 blocks, 1152 wide, 2304 positions).
@@ -162,7 +161,7 @@ def release_config(directory: Path) -> dict | None:
 
 
 def _release_files(directory: Path) -> list[Path]:
-    index = directory / RELEASE_INDEX
+    index = directory / SAFETENSORS_INDEX
     if index.is_file():
         weight_map = _read_json(index)
         weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None

@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import save_file
 
 from clef_gguf.convert.synthetic.corpus import CORPUS
+from clef_gguf.formats import files
 
 # Qwen's pre-tokenizer regex (Qwen3.5 adds \p{M} so combining marks stay with their letters).
 QWEN_PRETOKENIZE_REGEX = (
@@ -298,7 +299,7 @@ def _write_weights(out: Path, specs: list[tuple], shards: int, seed: int) -> lis
         del tensors
     if len(groups) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        (out / files.SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
     return names
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from clef_gguf.core import errors
+from clef_gguf.formats.files import SAFETENSORS_INDEX
 from clef_gguf.formats.safetensors import opened
 
 FORMAT = "nvfp4-pack-quantized"
@@ -22,7 +23,6 @@ PACKED = ("weight_packed", "weight_scale", "weight_global_scale")
 ACTIVATION_SCALE = "input_global_scale"
 # Where the text model's tensors live in the two Hugging Face layouts of Qwen3.5.
 TEXT_PREFIXES = ("model.language_model.", "model.")
-INDEX = "model.safetensors.index.json"
 FIELD = "tower"
 # ValueError: not UTF-8 or not JSON; RecursionError: nested past Python's stack.
 JSON_ERRORS: dict[type[BaseException], type[errors.ClefError]] = {
@@ -106,7 +106,7 @@ class Checkpoint:
 
     def _index(self) -> dict[str, Path]:
         """Tensor name -> the shard holding it (the index file, or every shard's own header)."""
-        index = self.directory / INDEX
+        index = self.directory / SAFETENSORS_INDEX
         if index.is_file():
             weight_map = _read_json(index).get("weight_map")
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
