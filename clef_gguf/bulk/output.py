@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from clef_gguf.bulk.deps import need
-from clef_gguf.core.errors import CorruptOutput
+from clef_gguf.core.errors import CorruptOutput, InvalidValue
 
 # Parquet columns: objects as JSON text (answers differ in shape from one schema to the next, so
 # a struct column would not fit them all): df["answers"].map(json.loads) reads them back.
@@ -130,6 +130,10 @@ class Output:
     def write(self, record: dict) -> None:
         if self.journal is None:
             raise RuntimeError("Output.write before Output.open")
+        if self.fmt == "parquet" and "evidence" in record:  # no column holds it: say so, drop nothing silently
+            record = {"id": record["id"], "error": InvalidValue(
+                "evidence is written to JSONL output only; give --output a .jsonl name",
+                field="evidence").to_dict()["error"]}
         self.journal.write(record)
 
     def close(self, order: dict[str, int] | None = None) -> None:
