@@ -91,6 +91,15 @@ def swapped_state_cache(clef) -> Iterator[StateCache]:
         clef.state_cache = saved
 
 
+def decide_cold(clef, cache: StateCache, requests: list[dict]) -> None:
+    """Decide each of ``requests`` with ``cache`` as the state cache, emptied first: each round starts
+    cold (a state is decoded once, then restored)."""
+    cache.clear()
+    clef.state_cache = cache
+    for r in requests:
+        clef.decide(r)
+
+
 def versus_prefill(clef, request: dict, rounds: int) -> dict:
     if not isinstance(clef.tower, Tower):
         raise InvalidValue("--versus prefill compares against llama.cpp: it needs a GGUF tower", field="backend")
@@ -111,21 +120,10 @@ def versus_prefill(clef, request: dict, rounds: int) -> dict:
 def versus_reuse(clef, state: str, question_sets: list[dict], rounds: int) -> dict:
     requests = [{"state": state, "questions": q} for q in question_sets]
     cached = StateCache(clef.state_cache.max_bytes or StateCache().max_bytes)
-
-    def with_cache():
-        cached.clear()  # each round starts cold: the state is decoded once, then restored
-        clef.state_cache = cached
-        for r in requests:
-            clef.decide(r)
-
-    def without_cache():
-        clef.state_cache = plain
-        for r in requests:
-            clef.decide(r)
-
     with swapped_state_cache(clef) as plain:
-        without_cache()  # warm-up
-        result = alternate(with_cache, without_cache, rounds)
+        decide_cold(clef, plain, requests)  # warm-up
+        result = alternate(lambda: decide_cold(clef, cached, requests),
+                           lambda: decide_cold(clef, plain, requests), rounds)
     tokens = clef.prepare(requests[0]).encoded.state_tokens
     return {"versus": "reuse", "state_tokens": tokens, "question_sets": len(requests),
             "a": f"{len(requests)} question sets, state cache",

@@ -256,7 +256,7 @@ def tower_layout_matches(ours: Path, native: Path) -> bool:
 def versus_llama_server(clef, binary: str, native: str, request: dict, state: str,
                         question_sets: list[dict], rounds: int, ubatch: int | None = None) -> dict:
     from clef_gguf.tower.cache import StateCache
-    from clef_gguf.tools.versus import alternate, swapped_state_cache
+    from clef_gguf.tools.versus import alternate, decide_cold, swapped_state_cache
     from clef_gguf.tower.llama_tower import extra_buffer_types
 
     reuse = [{"state": state, "questions": q} for q in question_sets]
@@ -284,24 +284,14 @@ def versus_llama_server(clef, binary: str, native: str, request: dict, state: st
                 agreement["max_abs_dp"], agreement["where"] = float(f"{dp:.3g}"), where  # 3 digits, even at 1e-7
         agreement["same_tokens"] = agreement["tokens_ours"] == agreement["tokens_upstream"]
 
+        def theirs_reuse():
+            for body in bodies[1:]:
+                server.decide(body)
+
         with swapped_state_cache(clef) as plain:
-
-            def ours_single():
-                clef.state_cache = plain
-                clef.decide(request)
-
-            def ours_reuse():
-                cached.clear()  # each round starts cold: the state is decoded once, then restored
-                clef.state_cache = cached
-                for r in reuse:
-                    clef.decide(r)
-
-            def theirs_reuse():
-                for body in bodies[1:]:
-                    server.decide(body)
-
-            single = alternate(ours_single, lambda: server.decide(bodies[0]), rounds)
-            shared = alternate(ours_reuse, theirs_reuse, rounds)
+            single = alternate(lambda: decide_cold(clef, plain, [request]), lambda: server.decide(bodies[0]),
+                               rounds)
+            shared = alternate(lambda: decide_cold(clef, cached, reuse), theirs_reuse, rounds)
         http_ms = server.roundtrip_ms()
         version = server.version()
     finally:
