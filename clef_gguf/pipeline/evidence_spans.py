@@ -19,6 +19,7 @@ from clef_gguf.pipeline.encode import CUT_MARGIN, Encoded, Encoder, render
 # A word, or a run of punctuation: the units that spans are merged from.
 UNIT = re.compile(r"\w+|[^\w\s]+")
 DIGITS = 4  # shares are rounded as the answers' probabilities are
+JOIN = 0.5  # a word widens a span once the spans are found only with this part of the weakest word's weight
 
 
 # ---------------------------------------------------------------- the state as text
@@ -167,7 +168,8 @@ def spans(weights: np.ndarray, regions: Regions, offsets: Sequence[tuple[int, in
           top: int) -> list[dict[str, Any]]:
     """The ``top`` state spans with the most attention, best first: each token's weight spread over
     its non-space characters, summed per word (or punctuation run); the best words taken in order,
-    neighbours merged, until ``top`` spans. ``share``: the span's part of the attention on the state."""
+    neighbours merged, until ``top`` spans (then strong neighbours only). ``share``: the span's part
+    of the attention on the state."""
     text = layout.text
     start = regions.state[0]
     state = weights[start:start + len(offsets)].astype(np.float64)
@@ -181,11 +183,16 @@ def spans(weights: np.ndarray, regions: Regions, offsets: Sequence[tuple[int, in
     units = [(m.start(), m.end()) for m in UNIT.finditer(text, 0, _covered(offsets, len(text)))]
     mass = np.array([cumulative[b] - cumulative[a] for a, b in units])
     chosen: set[int] = set()
+    weakest = np.inf
     for index in np.argsort(-mass, kind="stable")[: 4 * top]:
-        joins = index - 1 in chosen or index + 1 in chosen
-        if not joins and _runs(chosen) >= top:
-            break
+        if _runs(chosen) >= top:
+            # Once there are enough spans, only a neighbour about as strong as the words already taken
+            # may widen one: weak glue (a comma, a space-joined filler) would merge them all.
+            joins = index - 1 in chosen or index + 1 in chosen
+            if not joins or mass[index] < JOIN * weakest:
+                break
         chosen.add(int(index))
+        weakest = min(weakest, mass[index])
     merged: list[tuple[int, int, float]] = []
     for index in sorted(chosen):
         a, b = units[index]
