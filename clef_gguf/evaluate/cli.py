@@ -6,6 +6,8 @@ One model writes ``DIR/predictions.jsonl`` (clef-finetune's rows), ``DIR/metrics
 reference) each get those files in ``DIR/<model>/``, loaded one at a time, and the top level gets
 the comparison: ``summary.json``, ``report.md`` and, with ``--plots``, ``reliability.png`` and
 ``tradeoff.png``. Rerunning the same command resumes: finished models are not loaded again.
+A Decision Index suite file (``evaluate.suite``) adds the per-benchmark table (``evaluate.benchmarks``)
+to both, and ``benchmarks.png``; ``--quants`` names the models as quants of one family or directory.
 """
 
 from __future__ import annotations
@@ -22,21 +24,22 @@ from clef_gguf.bulk.job import media_policy
 from clef_gguf.core import errors
 from clef_gguf.core.argtypes import non_negative_int, positive_int
 from clef_gguf.runtime.flags import add_model_arguments, load_model
-from clef_gguf.evaluate import agreement, demo, metrics, plots, predict, report, stats
+from clef_gguf.evaluate import agreement, benchmarks, demo, metrics, plots, predict, report, stats, suite
 from clef_gguf.evaluate import records as labelled
 from clef_gguf.formats.files import sha256_file
 from clef_gguf.runtime.model import Clef
 from clef_gguf.runtime.registry import Models
 
 FORMAT = "clef-gguf-eval/1"
+DEFAULT_FAMILY = "clef-flash"
 
 
-def add_model_list(p: argparse.ArgumentParser, what: str) -> None:
+def add_model_list(p: argparse.ArgumentParser, what: str, *, required: bool = True) -> None:
     """The shared model flags, with ``--model`` (and ``--calibration``) given once per model."""
     add_model_arguments(p)
     # the two flags below replace the shared single-model ones
     g = p.add_argument_group("models", conflict_handler="resolve")
-    g.add_argument("--model", "-m", action="append", required=True, metavar="MODEL",
+    g.add_argument("--model", "-m", action="append", required=required, metavar="MODEL",
                    help=f"{what}: a converted model directory, a .gguf next to its head files, "
                         "or a catalog name such as clef-flash:Q4_K_M")
     g.add_argument("--calibration", action="append", metavar="CAL.json",
@@ -46,12 +49,20 @@ def add_model_list(p: argparse.ArgumentParser, what: str) -> None:
 
 def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     add_model_list(p, "the model to evaluate; give --model several times to compare quants side "
-                      "by side (the first is the reference; they are loaded one at a time)")
+                      "by side (the first is the reference; they are loaded one at a time)", required=False)
+    p.add_argument("rows", nargs="?", metavar="ROWS",
+                   help="the data, as --data: a Decision Index suite file (selected-rows.jsonl.gz, "
+                        "added-rows.jsonl.gz or its rows as .jsonl) or clef-finetune's JSONL")
     g = p.add_argument_group("eval")
-    g.add_argument("--data", "-d", required=True, metavar="FILE.jsonl",
+    g.add_argument("--data", "-d", metavar="FILE.jsonl",
                    help="labelled records: clef-finetune's JSONL (a SystemOne request per line "
-                        "plus \"labels\": {question_id: label}); without labels, agreement "
-                        "between models is still measured")
+                        "plus \"labels\": {question_id: label}), or a Decision Index suite file (per "
+                        "benchmark: accuracy, macro-F1, case-exact, coverage); without labels, "
+                        "agreement between models is still measured")
+    g.add_argument("--quants", type=quant_list, metavar="Q8_0,Q6_K,...",
+                   help="compare these quants of one --model side by side, the first as the reference: "
+                        f"a catalog family (default {DEFAULT_FAMILY}: {DEFAULT_FAMILY}:Q8_0, ...) or a "
+                        "directory holding one .gguf per quant next to the head files")
     g.add_argument("--output", "-o", required=True, metavar="DIR",
                    help="where the predictions, metrics and report go; an existing DIR of the "
                         "same command is resumed")
@@ -70,8 +81,46 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
                         f"temperature {demo.TEMPERATURE:g}: something to try eval and calibrate on")
 
 
+def quant_list(text: str) -> list[str]:
+    """``--quants``: comma-separated GGUF quant types."""
+    quants = [q.strip() for q in text.split(",") if q.strip()]
+    if not quants or any(not re.fullmatch(r"[A-Za-z0-9_]+", q) for q in quants):
+        raise argparse.ArgumentTypeError(f"expected quant types separated by commas, such as Q8_0,Q4_K_M; "
+                                          f"got {text!r}")
+    return quants
+
+
+def _gguf_of(directory: Path, quant: str) -> str:
+    """The one .gguf of ``directory`` whose name carries ``quant`` as a whole word (Q4_K is not Q4_K_M)."""
+    word = re.compile(rf"(?<![A-Za-z0-9]){re.escape(quant)}(?![A-Za-z0-9_])", re.IGNORECASE)
+    files = sorted(directory.glob("*.gguf"))
+    found = [f for f in files if word.search(f.stem)]
+    if len(found) != 1:
+        what = "no" if not found else "more than one"
+        raise errors.InvalidValue(f"{directory} holds {what} .gguf named for {quant} (it holds "
+                                  f"{', '.join(f.name for f in files) or 'none'})", field="quants")
+    return str(found[0])
+
+
+def model_names(models: Sequence[str] | None, quants: Sequence[str] | None) -> list[str]:
+    """The models to run: ``--model`` as given, or with ``--quants`` one per quant of the one ``--model``."""
+    if not quants:
+        if not models:
+            raise errors.InvalidValue("give --model (or --quants with a catalog family)", field="model")
+        return list(models)
+    if models and len(models) > 1:
+        raise errors.InvalidValue("--quants takes one --model: a catalog family or a directory of .gguf "
+                                  f"files, not {len(models)}", field="quants")
+    base = models[0] if models else DEFAULT_FAMILY
+    if Path(base).is_dir():
+        return [_gguf_of(Path(base), q) for q in quants]
+    family, _, source = base.partition("@")
+    family = family.split(":", 1)[0]
+    return [f"{family}:{q}" + (f"@{source}" if source else "") for q in quants]
+
+
 def models_with_calibrations(args: argparse.Namespace) -> list[tuple[str, str | None]]:
-    models, cals = list(args.model), list(args.calibration or [])
+    models, cals = model_names(args.model, args.quants), list(args.calibration or [])
     if len(cals) == 1:
         cals = cals * len(models)
     if cals and len(cals) != len(models):
@@ -143,18 +192,33 @@ def summarize_runs(runs: Sequence[predict.ModelRun], model_metrics: Sequence[dic
     return summaries
 
 
+def add_benchmarks(summaries: Sequence[dict[str, Any]], runs: Sequence[predict.ModelRun], rows: suite.Suite,
+                   *, seed: int, resamples: int) -> None:
+    """Each model's per-benchmark numbers (``benchmarks``) and, past the reference, its per-benchmark
+    agreement and deltas (``benchmark_deltas``)."""
+    for i, (s, run) in enumerate(zip(summaries, runs)):
+        s["benchmarks"] = benchmarks.table(run.lines, rows.benchmarks, rows.not_computed, seed=seed,
+                                           resamples=resamples)
+        if i:
+            s["benchmark_deltas"] = benchmarks.deltas(runs[0].lines, run.lines, rows.benchmarks, seed=seed,
+                                                      resamples=resamples)
+
+
 def run_eval(args: argparse.Namespace) -> int:
     pairs = models_with_calibrations(args)
     if args.plots:
         plots.require()  # before anything loads: a missing extra is said at once
-    data = Path(args.data)
+    if bool(args.data) == bool(args.rows):
+        raise errors.InvalidValue("give the data once: ROWS or --data FILE", field="data")
+    data = Path(args.data or args.rows)
     if args.write_demo_data:
         if data.exists():
             raise errors.InvalidValue(f"{data} exists: demo data is written to a new file",
                                       field="data")
         with loader(args, *pairs[0])() as clef:
             demo.write(clef.default_model, data, args.write_demo_data, seed=args.seed)
-    records = list(labelled.read(data))
+    rows = suite.read(data) if suite.is_suite(data) else None
+    records = rows.records if rows else list(labelled.read(data))
     if not records:
         raise errors.InvalidInput(f"{data} holds no records", field="data")
     data_sha = sha256_file(data)
@@ -172,15 +236,20 @@ def run_eval(args: argparse.Namespace) -> int:
         runs.append(run)
         model_metrics.append(write_model_files(run, len(records)))
     summaries = summarize_runs(runs, model_metrics, seed=args.seed, resamples=args.resamples)
+    if rows:
+        add_benchmarks(summaries, runs, rows, seed=args.seed, resamples=args.resamples)
     counts = model_metrics[0]["records"]
-    (out / "report.md").write_text(report.markdown(summaries, data=str(data), counts=counts,
-                                                   seed=args.seed), encoding="utf-8")
+    text = report.markdown(summaries, data=str(data), counts=counts, seed=args.seed)
+    (out / "report.md").write_text(text + report.benchmarks_markdown(summaries), encoding="utf-8")
     written = []
     if args.plots:
         written = [p for p in (plots.reliability(summaries, out / "reliability.png"),
-                               plots.tradeoff(summaries, out / "tradeoff.png")) if p]
+                               plots.tradeoff(summaries, out / "tradeoff.png"),
+                               rows and plots.benchmarks(summaries, out / "benchmarks.png")) if p]
     summary = {"format": FORMAT, "data": str(data), "data_sha256": data_sha, "records": counts,
                "seed": args.seed, "models": summaries, "plots": [str(p) for p in written]}
+    if rows:
+        summary["suite"] = {"format": "decision-index", "benchmarks": sorted(set(rows.benchmarks.values()))}
     predict.write_json(out / "summary.json", summary)
     if args.json:
         print(json.dumps(summary, indent=2, ensure_ascii=False))

@@ -69,3 +69,29 @@ def tradeoff(summaries: Sequence[dict[str, Any]], path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def benchmarks(summaries: Sequence[dict[str, Any]], path: Path) -> Path | None:
+    """Accuracy per Decision Index benchmark, one bar per model, with its 95% interval (None when the data
+    was no suite)."""
+    names = sorted({b for s in summaries for b in s.get("benchmarks", {})})
+    if not names:
+        return None
+    plt = require()
+    width = 0.8 / len(summaries)
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.2 * len(names) * len(summaries) ** 0.5), 3.6))
+    for i, s in enumerate(summaries):
+        blocks = [s.get("benchmarks", {}).get(n, {}).get("accuracy") or {} for n in names]
+        values = [b.get("value") if b.get("value") is not None else float("nan") for b in blocks]
+        lows = [v - b["ci95"][0] if b.get("ci95") else 0.0 for v, b in zip(values, blocks)]
+        highs = [b["ci95"][1] - v if b.get("ci95") else 0.0 for v, b in zip(values, blocks)]
+        ax.bar([j + i * width for j in range(len(names))], values, width, yerr=[lows, highs], capsize=2,
+               label=s["label"])
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(names))], names, fontsize=8)
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("accuracy (95% Wilson)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -135,3 +135,52 @@ def console(summaries: Sequence[dict[str, Any]]) -> str:
                      f"{_f(a.get('mean_kl'), 6):>9} {_f(m.get('accuracy'), 4):>9} {_f(m.get('nll'), 4):>8}"
                      f" {s['cost']['tower_bytes']:>13,} {_f(per_gib(s), 2):>10}")
     return "\n".join(lines)
+
+
+def _share_cell(block: dict[str, Any] | None) -> str:
+    if not block or block.get("value") is None:
+        return "-"
+    ci = block.get("ci95")
+    return f"{block['value']:.3f}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
+
+
+def benchmarks_markdown(summaries: Sequence[dict[str, Any]]) -> str:
+    """The per-benchmark, per-model table of a Decision Index suite, its unanswered rows and the metrics
+    not computed ("" when the data was no suite)."""
+    if not any(s.get("benchmarks") for s in summaries):
+        return ""
+    compared = len(summaries) > 1
+    header = ["benchmark", "model", "quant", "rows", "coverage", "accuracy", "macro-F1", "case-exact"]
+    if compared:
+        header += ["top-1 agreement", "Δ accuracy [95%]", "Δ macro-F1 [95%]", "Δ case-exact [95%]"]
+    rows, unanswered, missing = [], [], {}
+    names = sorted({b for s in summaries for b in s.get("benchmarks", {})})
+    for name in names:
+        for s in summaries:
+            b = s.get("benchmarks", {}).get(name)
+            if b is None:
+                continue
+            row = [name, s["label"], _f(s["info"].get("quant")), str(b["rows"]), _share_cell(b["coverage"]),
+                   _share_cell(b["accuracy"]), _share_cell(b["macro_f1"]), _share_cell(b["case_exact"])]
+            if compared:
+                d = (s.get("benchmark_deltas") or {}).get(name) or {}
+                a = d.get("agreement") or {}
+                row += ["(reference)" if s.get("is_reference") else _f(a.get("top1")),
+                        *(_delta(d.get(m), 3) for m in ("accuracy", "macro_f1", "case_exact"))]
+            rows.append(row)
+            unanswered += [f"- {name}, {s['label']}: row {u['row']} (id {u['id']}): {u['code']}"
+                           for u in b["unanswered"]]
+            if b.get("not_computed"):
+                missing[name] = b["not_computed"]
+    lines = ["", "## Per benchmark (Decision Index rows)", "", *_table(header, rows), "",
+             "coverage = rows answered / rows; accuracy over the expected keys of the answered rows; "
+             "macro-F1 over option keys (the keys expected or chosen); case-exact = answered rows with "
+             "every question right. [95%]: Wilson intervals, a bootstrap over rows for macro-F1; Δ = model - "
+             "reference on the rows both answered, paired bootstrap over rows, * = the interval excludes 0."]
+    if unanswered:
+        lines += ["", "Unanswered rows (refused, never truncated: counted against coverage):", *unanswered]
+    lines += ["", "Not computed (they need the kit's scorer or forecasts, not answers alone): nDCG@10, Brier "
+              "against forecasts and any other metric a row's `scoring` names"
+              + ("; named by these rows: " + "; ".join(f"{k}: {', '.join(v)}" for k, v in missing.items())
+                 if missing else "") + "."]
+    return "\n".join(lines) + "\n"

@@ -3,8 +3,9 @@ by ``clef-gguf eval`` on the user's own records.
 
 A quant keeps its answers when its top-1 agreement with the eval's reference is at least
 ``--min-agreement``; without that flag, when its accuracy delta to the reference is not
-significantly negative (the paired-bootstrap interval reaches 0 or above) on labelled records, else
-(no labels) when its top-1 agreement is at least ``DEFAULT_AGREEMENT``. The reference keeps its own
+significantly negative (the paired-bootstrap interval reaches 0 or above) on labelled records, nor on
+any benchmark of a Decision Index suite, else (no labels) when its top-1 agreement is at least
+``DEFAULT_AGREEMENT``. The reference keeps its own
 answers by definition. Quants the eval did not run are not chosen: there is no evidence for them.
 """
 
@@ -83,9 +84,24 @@ def verdicts(summary: dict[str, Any], min_agreement: float | None) -> dict[str, 
             why = (f"accuracy delta {accuracy['delta']:+.4f} [{lo:+.4f}, {hi:+.4f}] vs {ref_quant} on "
                    f"{(m.get('deltas') or {}).get('n', n)} labelled questions "
                    f"({'within' if keeps else 'below'} the 95% bootstrap interval of no loss); {said}")
+        worse = [] if min_agreement is not None else _worse_benchmarks(m)
+        if worse and keeps:
+            keeps, why = False, f"{why}; but significantly less accurate on {'; '.join(worse)}"
         if quant not in out or (out[quant].keeps and not keeps):
             out[quant] = Verdict(quant, keeps, why)
     return out
+
+
+def _worse_benchmarks(model: dict[str, Any]) -> list[str]:
+    """The Decision Index benchmarks (an eval of suite rows) where ``model``'s accuracy delta to the
+    reference is significantly negative: its 95% interval lies below 0."""
+    worse = []
+    for name, d in sorted((model.get("benchmark_deltas") or {}).items()):
+        accuracy = d.get("accuracy")
+        if accuracy and accuracy["ci95"][1] < 0.0:
+            lo, hi = accuracy["ci95"]
+            worse.append(f"{name} ({accuracy['delta']:+.4f} [{lo:+.4f}, {hi:+.4f}])")
+    return worse
 
 
 def agreements(summary: dict[str, Any]) -> dict[str, float]:

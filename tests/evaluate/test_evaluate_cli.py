@@ -3,7 +3,10 @@ input."""
 
 from __future__ import annotations
 
+import argparse
+import gzip
 import json
+import shutil
 import sys
 
 import numpy as np
@@ -177,3 +180,97 @@ def test_a_fine_tune_is_evaluated_with_its_adapter_and_head(tiny_model_dir, tiny
         assert summary["models"][0]["info"]["model_hash"] == tune.provenance.model_hash
     mine = [r for r in rows if r["record_id"] == read_jsonl(data)[2]["id"]]
     assert [r["probs"] for r in mine] == [p.tolist() for p in probs]
+
+
+def di_rows(path, long_state: str) -> list[dict]:
+    """Decision Index rows of two benchmarks, noul and choice, one row over the window."""
+    team = {"type": "choice", "instructions": "Which team?", "criteria": {"billing": "payments",
+                                                                          "support": "help", "sales": "deals"}}
+    rows = []
+    for i in range(7):
+        rows.append({"id": f"home-{i}", "family": "Home appliances", "state": f"ticket {i}: the fridge hums",
+                     "questions": {"urgent": {"type": "noul"}, "team": team},
+                     "expected": {"urgent": i % 2 == 0, "team": ["billing", "support", "sales"][i % 3]},
+                     "metadata": {"source": "synthetic"}, "scoring": {"metric": "accuracy"},
+                     "_evaluation": {"split": "test"}})
+    rows[2]["state"] = long_state
+    for i in range(4):
+        rows.append({"id": f"fc-{i}", "track": "Forecasts", "state": f"will it rain on day {i}?",
+                     "questions": {"rain": {"type": "noul"}}, "expected": {"rain": i < 2},
+                     "scoring": {"metric": "brier_vs_forecast"}})
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return rows
+
+
+def test_decision_index_rows_per_benchmark_and_quant_then_pick(tiny_model_dir_factory, tmp_path, capsys,
+                                                               monkeypatch):
+    pytest.importorskip("matplotlib")
+    f32, q8 = tiny_model_dir_factory("f32"), tiny_model_dir_factory("q8_0")
+    quants = tmp_path / "quants"  # one directory, one .gguf per quant next to the head files
+    quants.mkdir()
+    for name in ("joint_head.safetensors", "joint_head_config.json", "tokenizer.json"):
+        shutil.copy(f32 / name, quants / name)
+    shutil.copy(f32 / "tower-f32.gguf", quants / "tower-f32.gguf")
+    shutil.copy(q8 / "tower-q8_0.gguf", quants / "tower-q8_0.gguf")
+    rows = tmp_path / "selected-rows.jsonl.gz"
+    di_rows(rows, "the customer writes again and again " * 500)
+    out = tmp_path / "di"
+    argv = ["eval", str(rows), "--quants", "F32,Q8_0", "-m", str(quants), "-o", str(out), "--threads", "1",
+            "--max-length", "1024", "--resamples", "100", "--plots", "--json"]
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["suite"]["benchmarks"] == ["Forecasts", "Home appliances"]
+    ref, q = summary["models"]
+    home, fc = ref["benchmarks"]["Home appliances"], ref["benchmarks"]["Forecasts"]
+    assert (home["rows"], home["answered"], fc["rows"], fc["answered"]) == (7, 6, 4, 4)
+    assert home["coverage"]["value"] == 6 / 7 and home["accuracy"]["n"] == 12 and fc["accuracy"]["n"] == 4
+    assert [(u["row"], u["id"], u["code"]) for u in home["unanswered"]] == [(3, "home-2", "context_too_large")]
+    assert set(home["macro_f1"]["keys"]) <= {"true", "false", "billing", "support", "sales"}
+    assert fc["not_computed"] == ["brier_vs_forecast"] and home["not_computed"] == []
+    for b in (home, fc):
+        lo, hi = b["accuracy"]["ci95"]
+        assert lo <= b["accuracy"]["value"] <= hi and b["case_exact"]["n"] == b["answered"]
+    deltas = q["benchmark_deltas"]["Home appliances"]
+    assert deltas["agreement"]["n"] == 12 and deltas["rows_compared"] == 6 and "delta" in deltas["accuracy"]
+    report = (out / "report.md").read_text()
+    assert "## Per benchmark" in report and "row 3 (id home-2): context_too_large" in report
+    assert "brier_vs_forecast" in report and "Not computed" in report
+    assert (out / "benchmarks.png").read_bytes()[:4] == b"\x89PNG"
+    # pick takes the table as evidence: the quants the eval compared, judged per benchmark too
+    from machine_helpers import box
+    from clef_gguf.pick import command as pick
+
+    monkeypatch.setattr(pick, "probe", lambda **_: box(ram=64))
+    parser = argparse.ArgumentParser()
+    pick.add_arguments(parser)
+    assert pick.run(parser.parse_args(["--no-probe", "--eval", str(out), "--json"])) == 0
+    picked = json.loads(capsys.readouterr().out)["recommendation"]
+    assert picked["quant"] == "Q8_0" and "Q8_0" in picked["reason"]
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["--quants", "Q8_0,Q4_0", "-m", "a", "-m", "b"], "quants"),
+    (["--quants", "Q3_K"], "quants"),  # the directory holds no such .gguf
+    ([], "model"),
+])
+def test_quants_and_rows_are_refused_when_they_cannot_be_meant(tiny_model_dir, tmp_path, capsys, argv, field):
+    rows = tmp_path / "rows.jsonl.gz"
+    di_rows(rows, "short")
+    if argv == ["--quants", "Q3_K"]:
+        argv = argv + ["-m", str(tiny_model_dir)]
+    assert main(["eval", str(rows), "-o", str(tmp_path / "o"), *argv]) == 2
+    assert json.loads(capsys.readouterr().out)["error"]["field"] == field
+
+
+def test_a_malformed_row_stops_eval_with_its_row_and_field(tiny_model_dir, tmp_path, capsys):
+    rows = tmp_path / "rows.jsonl"
+    good = di_rows(tmp_path / "x.gz", "short")
+    bad = dict(good[1], expected={"team": "marketing"})
+    rows.write_text("\n".join(json.dumps(r) for r in (good[0], bad)) + "\n")
+    assert main(["eval", str(rows), "-m", str(tiny_model_dir), "-o", str(tmp_path / "o")]) == 2
+    error = json.loads(capsys.readouterr().out)["error"]
+    assert error["field"] == "expected.team" and "row 2" in error["message"]
+    assert main(["eval", str(rows), "-d", str(rows), "-m", str(tiny_model_dir), "-o", str(tmp_path / "o")]) == 2
+    assert json.loads(capsys.readouterr().out)["error"]["field"] == "data"
+    assert main(["eval", "-m", str(tiny_model_dir), "-o", str(tmp_path / "o")]) == 2  # no data at all

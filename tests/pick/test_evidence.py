@@ -58,6 +58,20 @@ def test_without_min_agreement_the_accuracy_interval_decides():
     assert evidence.apply(recommendation(), unlabelled, None).quant == "Q8_0"
 
 
+def test_a_decision_index_benchmark_significantly_worse_rejects_the_quant():
+    worse = model("Q4_K_M", top1=0.995, accuracy=(-0.001, -0.01, 0.008))
+    worse["benchmark_deltas"] = {"Home appliances": {"accuracy": {"delta": -0.05, "ci95": [-0.09, -0.01]}},
+                                 "Forecasts": {"accuracy": {"delta": 0.0, "ci95": [-0.02, 0.02]}}}
+    fine = model("Q6_K", top1=0.999, accuracy=(0.0, -0.01, 0.01))
+    fine["benchmark_deltas"] = {"Home appliances": {"accuracy": {"delta": 0.0, "ci95": [-0.02, 0.02]}}}
+    summary = {"models": [model("Q8_0"), fine, worse]}
+    found = evidence.verdicts(summary, None)
+    assert found["Q6_K"].keeps and not found["Q4_K_M"].keeps
+    assert "Home appliances (-0.0500" in found["Q4_K_M"].why and "Forecasts" not in found["Q4_K_M"].why
+    assert evidence.apply(recommendation(), summary, None).quant == "Q6_K"
+    assert evidence.verdicts(summary, 0.99)["Q4_K_M"].keeps  # --min-agreement is the user's own rule
+
+
 def test_nothing_fits_and_keeps_or_no_evidence_keeps_the_memory_choice():
     summary = {"models": [model("Q8_0"), model("Q4_K_M", top1=0.9)]}
     rec = evidence.apply(recommendation(), summary, 0.99)  # only the reference keeps its answers
