@@ -1,1 +1,2 @@
-"""Hugging Face Clef release -> clef-gguf model directory, and a random tiny release for tests."""
+"""Hugging Face Clef release -> clef-gguf model directory; ``synthetic``: made-up releases for the tests,
+benchmarks and the demo."""
