@@ -53,6 +53,9 @@ COMMANDS = {
              "show the models in the local Hugging Face cache (or --available: the catalog)"),
     "pick": ("clef_gguf.pick.command", "add_arguments", "run",
              "probe this machine and recommend the best quant that fits, saying why"),
+    "tune": ("clef_gguf.tools.tune_command", "add_arguments", "run",
+             "measure how to run a model on this machine (threads, decode chunk, flash attention, pack "
+             "size; on a GPU the head's device and dtype), side by side; every command uses the winners"),
     "bench": ("clef_gguf.tools.bench", "add_arguments", "run",
               "time one decision per pipeline stage (encode/tower/lexical/head) on this machine"),
     "bench-server": ("clef_gguf.tools.bench_server", "add_arguments", "run",

@@ -93,6 +93,27 @@ def probe(*, check_llama: bool = True) -> DeviceProfile:
                          unified_memory=apple)
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo, else the platform)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "Hardware", "cpu model")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def fingerprint() -> dict[str, Any]:
+    """What a measurement on this machine depends on: the CPU, its cores and the llama.cpp build
+    (version and system info). A kept measurement whose fingerprint differs is measured again."""
+    import llama_cpp
+
+    return {"cpu": cpu_model(), "arch": platform.machine(), "cores": os.cpu_count(),
+            "llama_cpp": llama_cpp.__version__,
+            "system_info": llama_cpp.llama_print_system_info().decode("utf-8", "replace")}
+
+
 def _cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
     try:
         for line in cpuinfo.read_text().splitlines():

@@ -30,7 +30,6 @@ import datetime
 import hashlib
 import json
 import os
-import platform
 import shutil
 import statistics
 import tempfile
@@ -39,9 +38,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from clef_gguf.convert.synthetic.big import needed_bytes, preset_config
+from clef_gguf.convert.synthetic.big import needed_bytes
+from clef_gguf.convert.synthetic.shapes import preset_config
 from clef_gguf.core.errors import InvalidValue, ProbeFailed
 from clef_gguf.core.limits import DECODE_CHUNK, SYSTEM_PREFIX_TOKENS, GiB
+from clef_gguf.models import machine
 from clef_gguf.models.hfcache import clef_home
 from clef_gguf.models.placement import Recommendation
 from clef_gguf.pick import contention, probe_process
@@ -133,7 +134,7 @@ class SpeedTable:
 def probe_layers(p: dict) -> int:
     """The probe's layers for ``convert.synthetic.big`` shape ``p``: all of them when its bf16 tower is under
     ``WHOLE_TOWER_BYTES``, else one full-attention interval (Clef-Flash: 4 of 32)."""
-    return p["layers"] if needed_bytes(p, "bf16")[1] <= WHOLE_TOWER_BYTES else p["interval"]
+    return p["layers"] if needed_bytes(p, "bf16") <= WHOLE_TOWER_BYTES else p["interval"]
 
 
 def preset_for(family: str) -> str | None:
@@ -141,24 +142,9 @@ def preset_for(family: str) -> str | None:
     return PRESETS.get(family)
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "Hardware", "cpu model")):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def machine_key(preset: str, tokens: int, threads: int, gpu_layers: dict[str, int], picture: int | None = None) -> str:
     """What the measurement depends on, hashed: CPU, llama.cpp build, threads, placement, tokens, picture."""
-    import llama_cpp
-
-    parts = {"format": FORMAT, "cpu": _cpu_model(), "arch": platform.machine(), "cores": os.cpu_count(),
-             "llama_cpp": llama_cpp.__version__,
-             "system_info": llama_cpp.llama_print_system_info().decode("utf-8", "replace"),
-             "preset": preset, "tokens": tokens, "threads": threads,
+    parts = {"format": FORMAT, **machine.fingerprint(), "preset": preset, "tokens": tokens, "threads": threads,
              "gpu_layers": sorted((q, n) for q, n in gpu_layers.items() if n), "picture": picture}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 

@@ -14,6 +14,9 @@ from typing import TYPE_CHECKING, Callable
 
 from clef_gguf.core import errors
 from clef_gguf.formats import files as model_files
+from clef_gguf.runtime import tuning
+from clef_gguf.runtime.settings import LoadSettings
+from clef_gguf.runtime.tuning import RunSettings
 
 if TYPE_CHECKING:
     from clef_gguf.pipeline.lexical import RowStore
@@ -73,8 +76,8 @@ class Opened:
     label: str  # what the vocab is called in errors: "GGUF" or "checkpoint"
     lexical: RowStore
     quant: str
-    # (max_length, threads, gpu_layers, nvfp4_dtype)
-    load_tower: Callable[[int, int | None, int | str, str], LanguageTower]
+    # the settings -> the tower, and the run settings it was loaded with (given, tuned or default)
+    load_tower: Callable[[LoadSettings], tuple[LanguageTower, RunSettings]]
     model_hash: Callable[[], str]
 
     @property
@@ -85,7 +88,7 @@ class Opened:
 def open_gguf_tower(found: model_files.ModelFiles) -> Opened:
     from clef_gguf.formats.gguf import NATIVE_ARCH, TOWER_ARCH, check_header, field_value, open_gguf, precision_label
     from clef_gguf.pipeline.lexical import LexicalRows
-    from clef_gguf.tower.llama_tower import Tower
+    from clef_gguf.tower.llama_tower import Tower, gpu_offload
 
     # gguf-py validates the whole file table first: llama.cpp aborts on some corrupt files.
     reader = open_gguf(found.tower)
@@ -98,13 +101,17 @@ def open_gguf_tower(found: model_files.ModelFiles) -> Opened:
     check_header(reader, found.tower)  # llama.cpp aborts on some bad hyperparameters
     lexical = LexicalRows(reader)
 
-    def load(max_length: int, threads: int | None, asked: int | str, nvfp4_dtype: str) -> LanguageTower:
-        if nvfp4_dtype != "auto":  # llama.cpp's kernels choose their own precision
-            raise errors.InvalidSetting(f"nvfp4_dtype {nvfp4_dtype!r} sets the nvfp4 backend's compute dtype; "
-                                        f"{found.tower.name} runs in llama.cpp (leave it auto)", field="nvfp4_dtype")
-        layers = gpu_layers(asked, found.tower, lexical.hidden_size, max_length)
-        return Tower.load(found.tower, n_ctx=max_length, threads=threads, gpu_layers=layers,
-                          free_memory=device_free_memory)
+    def load(settings: LoadSettings) -> tuple[LanguageTower, RunSettings]:
+        if settings.nvfp4_dtype != "auto":  # llama.cpp's kernels choose their own precision
+            raise errors.InvalidSetting(f"nvfp4_dtype {settings.nvfp4_dtype!r} sets the nvfp4 backend's compute "
+                                        f"dtype; {found.tower.name} runs in llama.cpp (leave it auto)",
+                                        field="nvfp4_dtype")
+        layers = gpu_layers(settings.gpu_layers, found.tower, lexical.hidden_size, settings.max_length)
+        device = "gpu" if layers != 0 and gpu_offload() else "cpu"
+        run = tuning.for_tower(settings, found.tower, device)
+        return Tower.load(found.tower, n_ctx=settings.max_length, threads=run.threads, gpu_layers=layers,
+                          n_batch=run.decode_chunk, attention=run.attention, pack=run.pack,
+                          free_memory=device_free_memory), run
 
     return Opened("gguf", "GGUF", lexical, precision_label(reader), load,
                   lambda: found.sha256_of(found.tower))
@@ -117,11 +124,13 @@ def open_nvfp4_tower(found: model_files.ModelFiles) -> Opened:
     checkpoint = Checkpoint(found.tower)
     lexical = CheckpointRows(checkpoint)
 
-    def load(max_length: int, threads: int | None, asked: int | str, nvfp4_dtype: str) -> LanguageTower:
+    def load(settings: LoadSettings) -> tuple[LanguageTower, RunSettings]:
         from clef_gguf.tower.nvfp4.tower import NVFP4Tower
 
-        return NVFP4Tower.load(found.tower, n_ctx=max_length, threads=threads, gpu_layers=asked,
-                               dtype=nvfp4_dtype)
+        tuning.refuse_llama_settings(settings, found.tower)
+        run = tuning.for_tower(settings, None, None)  # tune measures llama.cpp towers only
+        return NVFP4Tower.load(found.tower, n_ctx=settings.max_length, threads=settings.threads,
+                               gpu_layers=settings.gpu_layers, dtype=settings.nvfp4_dtype), run
 
     def model_hash() -> str:
         """One digest over the config and every shard (each hashed once, or as recorded)."""

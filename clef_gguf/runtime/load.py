@@ -86,7 +86,7 @@ def load(settings: LoadSettings, make: Callable[..., M]) -> Models[M]:
     opened = backends.open_tower_files(found, settings.backend)
     lexical = opened.lexical
     joint = load_head(found.head_config, found.head_weights, hidden_size=lexical.hidden_size,
-                      dtype=HEAD_DTYPES[settings.head_dtype])
+                      dtype=HEAD_DTYPES[settings.head_dtype])  # checked now; its tuned dtype once the tower is placed
     encoder = Encoder.from_file(found.tokenizer, settings.max_length)
     # The largest id as well as the count: a damaged tokenizer.json can hold ids past its size.
     ids = encoder.tokenizer.get_vocab(with_added_tokens=True).values()
@@ -95,13 +95,13 @@ def load(settings: LoadSettings, make: Callable[..., M]) -> Models[M]:
         raise errors.HeadMismatch(
             f"the tokenizer has {n_ids} token ids but the {opened.label} vocab has only "
             f"{lexical.vocab_size}: they are not from the same release", field="tokenizer")
-    tower = opened.load_tower(settings.max_length, settings.threads, settings.gpu_layers, settings.nvfp4_dtype)
+    tower, run = opened.load_tower(settings)
     try:
         # The head runs after the tower on the same cores: torch gets as many threads as the tower.
         set_torch_threads(settings.head_threads or tower.threads)
-        device = devices.head_device(settings.head_device, tower.cuda_device)
-        joint.to(device)
-        if settings.head_dtype == "fp32":
+        device = devices.head_device(run.head_device, tower.cuda_device)
+        joint.to(device, HEAD_DTYPES[run.head_dtype])
+        if run.head_dtype == "fp32":
             devices.exact_fp32(device)
         if tower.n_embd != lexical.hidden_size:
             raise errors.CorruptModel(f"n_embd {tower.n_embd} != lm_head width {lexical.hidden_size}",
@@ -112,13 +112,14 @@ def load(settings: LoadSettings, make: Callable[..., M]) -> Models[M]:
         info = {"name": found.name, "quant": opened.quant, "revision": found.revision,
                 "files": {p.name: found.known_sha256(p) for p in found.paths().values()}
                 | {found.tower.name: model_hash},
-                "backend": opened.runner, "precision": opened.quant, "head_dtype": settings.head_dtype,
+                "backend": opened.runner, "precision": opened.quant, "head_dtype": run.head_dtype,
                 "head_device": str(device),
                 "max_length": settings.max_length, "n_embd": tower.n_embd, "lexical_rows": lexical.type_name,
                 "lm_head_avoided": tower.uses_nextn, "gpu_layers": tower.gpu_layers,
                 "threads": tower.threads, "head_threads": torch.get_num_threads(), "strict": settings.strict,
                 "state_cache_mb": settings.state_cache_mb, "vision_cache_mb": settings.vision_cache_mb,
-                "vision_engine": settings.vision_engine, "calibration_version": provenance.calibration_version}
+                "vision_engine": settings.vision_engine, "calibration_version": provenance.calibration_version,
+                "tuned": run.from_tune}
         info |= tower.details()  # the backend's own facts (nvfp4: kernel, device)
         log.info("loaded %s (%s, n_embd %d) on %s, head scalars %s", found.tower.name, opened.quant,
                  tower.n_embd, "the GPU" if tower.gpu_layers else "the CPU", head_scalars(joint))

@@ -21,7 +21,7 @@ from pydantic import Field
 from clef_gguf.core import errors
 from clef_gguf.core import argtypes
 from clef_gguf.core.cpus import available_cpus
-from clef_gguf.core.limits import CONTEXT_WINDOW, MAX_MB, VISION_CACHE_MB, VisionEngine
+from clef_gguf.core.limits import CONTEXT_WINDOW, DECODE_CHUNK, MAX_MB, VISION_CACHE_MB, VisionEngine
 from clef_gguf.formats.calibration import Calibration
 from clef_gguf.tower.cache import DEFAULT_MB
 
@@ -42,6 +42,9 @@ class Flag:
     metavar: str | None = None
     to_setting: Callable[[Any], Any] | None = None  # the parsed value -> the field's value
     help: str | None = None  # where the flag says it the other way round (--offline)
+    # argparse's default is None, so the field counts as given only when the flag is: the runtime may
+    # then fill it from what `clef-gguf tune` measured (the field's own default otherwise)
+    unless_given: bool = False
 
 
 class LoadSettings(pydantic.BaseModel):
@@ -80,9 +83,24 @@ class LoadSettings(pydantic.BaseModel):
     nvfp4_dtype: Literal["auto", "bf16", "fp32"] = Field(default="auto", description=(
         "the nvfp4 backend's compute dtype: auto (default: bf16 on CUDA, fp32 on the CPU), bf16, or fp32 "
         "(on CUDA: the CPU's numbers, for like-for-like checks); the gguf backend takes only auto"))
-    head_dtype: Annotated[Literal["fp32", "bf16"], Flag(("--head-dtype", "--precision"))] = Field(
-        default="fp32", description="the head's dtype: fp32 (default) or bf16 (the reference's numerics); "
-                            "--precision is its earlier name")
+    head_dtype: Annotated[Literal["fp32", "bf16"], Flag(("--head-dtype", "--precision"), unless_given=True)] = Field(
+        default="fp32", description="the head's dtype: fp32 (default, unless `clef-gguf tune` chose bf16 "
+                            "here) or bf16 (the reference's numerics); --precision is its earlier name")
+    decode_chunk: Annotated[Whole | None, Flag(type=argtypes.positive_int)] = Field(default=None, description=(
+        "tokens per llama_decode in the tower (llama.cpp's n_batch = n_ubatch; default: what `clef-gguf "
+        f"tune` chose for this model here, else {DECODE_CHUNK}); other chunks move answers by up to ~1e-4"))
+    flash_attention: Literal["auto", "on", "off"] = Field(default="auto", description=(
+        "llama.cpp's flash attention: auto (default: what `clef-gguf tune` chose for this model here, else "
+        "llama.cpp's own choice; f32 towers on the CPU keep exact f32 attention), on or off"))
+    pack_size: Annotated[Whole | None, Flag(type=argtypes.positive_int)] = Field(default=None, description=(
+        "prompts decoded together per llama_decode when several are waiting (default: what `clef-gguf "
+        "tune` chose for this model here, else 4 on the CPU, 16 on a GPU; 1: one at a time)"))
+    tune: Annotated[bool, Flag(
+        ("--no-tune",), action="store_true", to_setting=lambda no_tune: not no_tune,
+        help="ignore what `clef-gguf tune` measured for this model on this machine: the built-in defaults "
+             "for every setting no flag gives")] = Field(default=True, description=(
+            "run with what `clef-gguf tune` measured for this model on this machine (threads, decode chunk, "
+            "flash attention, pack size, head device and dtype) wherever no setting is given"))
     allow_download: Annotated[bool, Flag(
         ("--offline",), action="store_true", to_setting=lambda offline: not offline,
         help="never download: catalog names resolve from the local cache only")] = Field(default=False, description=(
@@ -165,7 +183,8 @@ class LoadSettings(pydantic.BaseModel):
                 kwargs["choices"] = choices
             if flag.metavar:
                 kwargs["metavar"] = flag.metavar
-            kwargs["default"] = False if flag.action == "store_true" else None if flag.action else spec.default
+            kwargs["default"] = False if flag.action == "store_true" else None \
+                if flag.action or flag.unless_given else spec.default
             group.add_argument(*(flag.names or (f"--{name.replace('_', '-')}",)), **kwargs)
 
     @classmethod
@@ -174,8 +193,10 @@ class LoadSettings(pydantic.BaseModel):
         values = {}
         for name in cls.model_fields:
             value = getattr(args, name)
-            to_setting = cls.flag(name).to_setting
-            values[name] = to_setting(value) if to_setting is not None else value
+            flag = cls.flag(name)
+            if flag.unless_given and value is None:
+                continue  # not given: the field's default, and not in model_fields_set
+            values[name] = flag.to_setting(value) if flag.to_setting is not None else value
         return cls.of(**(values | overrides))
 
     @classmethod
@@ -189,6 +210,9 @@ class LoadSettings(pydantic.BaseModel):
             if key not in cls.model_fields and key != "offline":
                 raise errors.InvalidSetting(f"unknown load setting {key!r}", field=key)
             yes = value.lower() in ("1", "true", "yes")
+            if key == "tune":  # one flag, --no-tune
+                argv += [] if yes else ["--no-tune"]
+                continue
             if key in ("offline", "allow_download"):  # one flag, --offline, says both
                 argv += ["--offline"] if yes == (key == "offline") else []
                 continue

@@ -31,7 +31,6 @@ import numpy as np
 
 from clef_gguf.core.errors import AdapterMismatch, CorruptModel, InferenceError
 from clef_gguf.core.limits import MiB
-from clef_gguf.tower import kernel_table
 
 if TYPE_CHECKING:
     from clef_gguf.tower.packing import Slot
@@ -139,7 +138,7 @@ class Attention:
 ATTENTION: dict[str, Attention] = {
     "exact-f32": Attention("exact-f32", ll.GGML_TYPE_F32, ll.LLAMA_FLASH_ATTN_TYPE_DISABLED),
     "default": Attention("default", None, ll.LLAMA_FLASH_ATTN_TYPE_AUTO),
-    # for measuring (the GPU check's kernel matrix): flash attention forced on or off
+    # flash attention forced on or off (--flash-attention on/off, as `clef-gguf tune` may choose)
     "flash-on": Attention("flash-on", None, ll.LLAMA_FLASH_ATTN_TYPE_ENABLED),
     "flash-off": Attention("flash-off", None, ll.LLAMA_FLASH_ATTN_TYPE_DISABLED),
 }
@@ -211,10 +210,9 @@ class LlamaModel:
         return ll_ftype_name(self.ftype)
 
     def attention(self) -> Attention:
-        """The attention setting for these weights on this device: :data:`ATTENTION_BY_WEIGHTS`'s
-        exactness rule, else what ``kernel_table`` measured fastest, else the default."""
-        exact = ATTENTION_BY_WEIGHTS.get((self.ftype, self.device))
-        return ATTENTION[exact or kernel_table.setting_for(self.weights, self.device).attention]
+        """The attention setting for these weights on this device when none is asked for:
+        :data:`ATTENTION_BY_WEIGHTS`'s exactness rule, else the default (``clef-gguf tune`` may ask another)."""
+        return ATTENTION[ATTENTION_BY_WEIGHTS.get((self.ftype, self.device), "default")]
 
     def close(self) -> None:
         if self.ptr:

@@ -44,6 +44,7 @@ class _Pool:
     adapters: list[LlamaAdapter] = field(default_factory=list)
     positioned: PositionedBatch | None = None  # media prompts' batch (ContextSequence.positioned)
     free_memory: FreeMemory = host_free_memory  # what the packed context's budget is a share of
+    pack: int | None = None  # prompts per packed decode asked at load (None: the device's PACKING rule)
 
 
 class PackedDecoder:

@@ -10,6 +10,7 @@ packed context. The llama.cpp objects are the thin wrappers of ``clef_gguf.tower
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import threading
 from pathlib import Path
@@ -19,11 +20,10 @@ from typing import cast
 import numpy as np
 
 from clef_gguf.core.cpus import available_cpus, check_threads
-from clef_gguf.core.limits import CONTEXT_WINDOW
+from clef_gguf.core.limits import CONTEXT_WINDOW, DECODE_CHUNK
 from clef_gguf.core.errors import ClefError, InferenceError, InvalidSetting, ModelNotFound
 from clef_gguf.tower.llama import (ATTENTION, LlamaAdapter, LlamaContext, LlamaModel, PositionedBatch,
                                    extra_buffer_types, gpu_offload)
-from clef_gguf.tower import kernel_table
 from clef_gguf.tower.packing import PACKING, FreeMemory, PackRule, chunks, host_free_memory
 from clef_gguf.tower.cache import StateCache, usable
 from clef_gguf.pipeline.mediaprompt import MediaPrompt
@@ -143,18 +143,21 @@ class Tower:
 
     @classmethod
     def load(cls, path: str | Path, *, n_ctx: int = CONTEXT_WINDOW, threads: int | None = None,
-             n_batch: int | None = None, gpu_layers: int | str = 0, attention: str | None = None,
-             free_memory: FreeMemory = host_free_memory) -> Tower:
+             n_batch: int = DECODE_CHUNK, gpu_layers: int | str = 0, attention: str | None = None,
+             pack: int | None = None, free_memory: FreeMemory = host_free_memory) -> Tower:
         """``attention``: a name of ``llama.ATTENTION`` for both contexts; None: the one
-        ``LlamaModel.attention`` gives the weights (exact on f32 towers on the CPU, else measured).
-        ``n_batch``: tokens per llama_decode; None: what ``kernel_table`` measured fastest (512 until then).
-        ``free_memory``: the device policy's free bytes, the budget of packed decoding (the loader
-        passes it: the tower knows nothing of devices)."""
+        ``LlamaModel.attention`` gives the weights (exact on f32 towers on the CPU, else the default).
+        ``n_batch``: tokens per llama_decode. ``pack``: prompts per packed decode (None: :data:`PACKING`'s
+        for the device; 1: one at a time). ``free_memory``: the device policy's free bytes, the budget
+        of packed decoding (the loader passes it: the tower knows nothing of devices)."""
         path = Path(path)
         if attention is not None and attention not in ATTENTION:
             raise InvalidSetting(f"attention must be one of {sorted(ATTENTION)} (got {attention!r})",
                                  field="attention")
         check_threads(threads)
+        for name, value in (("n_batch", n_batch), ("pack", pack)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise InvalidSetting(f"{name} must be a whole number of at least 1 (got {value!r})", field=name)
         if not isinstance(gpu_layers, int) or isinstance(gpu_layers, bool) or gpu_layers < -1:
             raise InvalidSetting(f"gpu_layers must be -1 (all), 0 or a layer count (got "
                                  f"{gpu_layers!r})", field="gpu_layers")
@@ -163,13 +166,11 @@ class Tower:
         model = LlamaModel(path, gpu_layers)
         try:
             setting = ATTENTION[attention] if attention is not None else model.attention()
-            if n_batch is None:
-                n_batch = kernel_table.setting_for(model.weights, model.device).n_batch
             ctx = LlamaContext(model, n_ctx, min(n_batch, n_ctx), threads or available_cpus(), attention=setting)
         except BaseException:
             model.close()
             raise
-        return cls(model, ctx, path, pool=_Pool(free_memory=free_memory), lock=threading.Lock())
+        return cls(model, ctx, path, pool=_Pool(free_memory=free_memory, pack=pack), lock=threading.Lock())
 
     # The sizes and state the schedule checks prompts against: its sequence's, defined there once.
     @property
@@ -235,7 +236,9 @@ class Tower:
 
     @property
     def pack_rule(self) -> PackRule:
-        return PACKING["gpu" if self.gpu_layers else "cpu"]
+        """:data:`PACKING`'s rule for the device, with the pack size the tower was loaded with."""
+        rule = PACKING["gpu" if self.gpu_layers else "cpu"]
+        return rule if self._pool.pack is None else dataclasses.replace(rule, pack=self._pool.pack)
 
     def pack_size(self, n_tokens: int) -> int:
         """How many prompts of ``n_tokens`` the policy decodes together here (1: one at a time)."""

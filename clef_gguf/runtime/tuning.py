@@ -1,0 +1,67 @@
+"""The run settings a model loads with: the ones given, else what ``clef-gguf tune`` measured, else defaults.
+
+``tune`` keeps its winners per machine and tower file (``models/tuned.py``). A tuned value fills a
+setting only where the settings leave it to the runtime (``threads``/``decode_chunk``/``pack_size``
+None, ``flash_attention``/``head_device`` "auto", ``head_dtype`` not given) and ``tune`` is on: an
+explicit flag or keyword always wins, and ``--no-tune`` (``tune=False``) keeps the built-in defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from clef_gguf.core import errors
+from clef_gguf.core.limits import DECODE_CHUNK
+from clef_gguf.models import tuned
+from clef_gguf.runtime.settings import LoadSettings
+
+# --flash-attention -> the tower's attention setting (a name of tower.llama.ATTENTION; None: the weights' rule)
+ATTENTION = {"auto": None, "on": "flash-on", "off": "flash-off"}
+# What each setting is when the runtime chooses it (a tuned value may fill it then).
+UNSET: dict[str, object] = {"threads": None, "decode_chunk": None, "pack_size": None, "flash_attention": "auto",
+                            "head_device": "auto"}
+LLAMA_ONLY = ("decode_chunk", "flash_attention", "pack_size")  # settings of llama.cpp towers
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What the tower and the head run with, and which of it came from ``tune``."""
+
+    threads: int | None
+    decode_chunk: int
+    attention: str | None
+    pack: int | None
+    head_device: str
+    head_dtype: str
+    from_tune: dict[str, tuned.Value] = field(default_factory=dict)  # setting -> the tuned value used
+
+
+def _open(settings: LoadSettings, name: str, chosen: dict[str, tuned.Value]) -> bool:
+    """Whether ``name`` is left to the runtime and ``tune`` chose a value for it."""
+    if name not in chosen:
+        return False
+    if name == "head_dtype":
+        return "head_dtype" not in settings.model_fields_set
+    return getattr(settings, name) == UNSET[name]
+
+
+def for_tower(settings: LoadSettings, tower: Path | None, device: str | None) -> RunSettings:
+    """The run settings of a llama.cpp ``tower`` file placed on ``device`` ("cpu"/"gpu"): the given
+    ones, tune's where none is given (``tower`` None: no tuning applies, as for NVFP4 checkpoints)."""
+    kept = tuned.current(tower, device) if settings.tune and tower is not None and device else None
+    chosen = kept.chosen if kept is not None else {}
+    used = {name: value for name, value in chosen.items() if _open(settings, name, chosen)}
+    merged = {name: used.get(name, getattr(settings, name)) for name in tuned.SETTINGS}
+    return RunSettings(threads=merged["threads"], decode_chunk=merged["decode_chunk"] or DECODE_CHUNK,
+                       attention=ATTENTION[str(merged["flash_attention"])], pack=merged["pack_size"],
+                       head_device=str(merged["head_device"]), head_dtype=str(merged["head_dtype"]), from_tune=used)
+
+
+def refuse_llama_settings(settings: LoadSettings, tower: Path) -> None:
+    """A llama.cpp setting given for a tower that does not run in llama.cpp is refused, not ignored."""
+    for name in LLAMA_ONLY:
+        if getattr(settings, name) != UNSET[name]:
+            flag = name.replace("_", "-")
+            raise errors.InvalidSetting(f"--{flag} sets how llama.cpp runs a GGUF tower; {tower.name} is not "
+                                        f"one (leave it unset)", field=name)

@@ -1,0 +1,110 @@
+"""``clef-gguf tune``: measure how to run a model on this machine, keep the winners, or show them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from clef_gguf.core import argtypes
+from clef_gguf.core.errors import InvalidValue
+from clef_gguf.core.limits import CONTEXT_WINDOW
+from clef_gguf.models import tuned
+from clef_gguf.models.tuned import Tuning
+from clef_gguf.tools import tune
+
+
+def _lengths(text: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected prompt lengths such as 466,1986 (got {text!r})") from None
+    if not out or any(n < 1 or n > CONTEXT_WINDOW for n in out):
+        raise argparse.ArgumentTypeError(f"each length must be 1 to {CONTEXT_WINDOW} tokens (got {text!r})")
+    return out
+
+
+def _names(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", required=True,
+                   help="a converted model directory, a .gguf next to its head files, or a catalog name")
+    p.add_argument("--gpu-layers", type=argtypes.gpu_layers, default="auto",
+                   help="tower layers on the GPU while measuring, as the commands will run it (default auto)")
+    p.add_argument("--offline", action="store_true", help="never download: a catalog name must be cached")
+    p.add_argument("--lengths", type=_lengths, default=tune.DEFAULT_LENGTHS, metavar="N,N",
+                   help="prompt lengths in tokens to time at; a value must win at every one (default "
+                        f"{','.join(map(str, tune.DEFAULT_LENGTHS))})")
+    p.add_argument("--rounds", type=argtypes.positive_int, default=tune.DEFAULT_ROUNDS, metavar="N",
+                   help=f"alternated rounds per value and length (default {tune.DEFAULT_ROUNDS})")
+    p.add_argument("--only", type=_names, metavar="NAME[,NAME...]",
+                   help=f"tune only these settings (of {', '.join(tuned.SETTINGS)})")
+    p.add_argument("--show", action="store_true",
+                   help="measure nothing: say what tune chose for this model on this machine, and why")
+    p.add_argument("--json", action="store_true", help="print the full result as JSON on stdout")
+    p.epilog = ("Each setting's values are timed against its default side by side (alternating, --rounds "
+                "rounds, median and spread) at every --lengths. A value replaces the default only where it "
+                f"is more than {tune.NOISE:.0%} faster at every length with the same answers: byte-identical "
+                "on the CPU for threads and pack size, which keep its arithmetic, else within max |dp| "
+                f"{tune.PARITY_DP:g}. The winners are kept per machine, llama.cpp build and model in "
+                "$HF_HOME/clef-gguf/tuned-settings.json, and every command that loads this model uses them "
+                "where no flag sets them (--no-tune: the defaults).")
+
+
+def _settings(args: argparse.Namespace) -> dict:
+    return {"model": args.model, "gpu_layers": args.gpu_layers, "allow_download": not args.offline}
+
+
+def describe(t: Tuning, status: str = "") -> str:
+    head = (f"tune: {t.model} on the {t.device}: {', '.join(map(str, t.lengths))}-token decisions, "
+            f"{t.rounds} rounds, measured {t.measured_at} in {t.took_seconds:.1f} s{status}")
+    lines = [head]
+    for trial in t.trials:
+        spread = "; ".join(f"{lo:.2f}-{hi:.2f}" for lo, hi in trial.spreads)
+        lines.append(f"  {trial.setting}={trial.value} ({t.defaults.get(trial.setting)} by default): "
+                     f"{'WINS' if trial.won else 'kept the default'}: {trial.reason} (per-round spread {spread})")
+    for setting, why in t.skipped.items():
+        lines.append(f"  {setting}: not measured: {why}")
+    chosen = ", ".join(f"{k}={v}" for k, v in t.chosen.items())
+    lines.append(f"chosen: {chosen} (every command loading this model here uses it; --no-tune: the defaults)"
+                 if chosen else "chosen: nothing: the defaults stand")
+    return "\n".join(lines)
+
+
+def show(args: argparse.Namespace) -> int:
+    from clef_gguf.runtime.load import resolve
+    from clef_gguf.runtime.settings import LoadSettings
+
+    tower = resolve(LoadSettings.of(**_settings(args))).tower
+    found = {device: (t, t is not None and tuned.current(tower, device) is not None)
+             for device in ("cpu", "gpu") if (t := tuned.kept(tower, device)) is not None}
+    if args.json:
+        print(json.dumps({"model": str(Path(tower).resolve()), "tunings": {
+            d: t.to_dict() | {"current": ok} for d, (t, ok) in found.items()}}, indent=2))
+        return 0
+    if not found:
+        print(f"tune: nothing kept for {tower}: run `clef-gguf tune --model {args.model}`")
+    for device, (t, ok) in found.items():
+        print(describe(t, "" if ok else " (STALE: measured on another machine or llama.cpp build: not used; "
+                                          "run tune again)"))
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.show:
+        return show(args)
+    only = tune.check_names(args.only)  # an unknown name is refused before any model loads
+    if args.rounds < 2:
+        raise InvalidValue("--rounds must be at least 2 (a spread needs two rounds)", field="rounds")
+    bench = tune.ModelBench(_settings(args), args.lengths)
+    try:
+        result = tune.tune(bench, only=only, lengths=args.lengths, rounds=args.rounds,
+                           progress=lambda line: print(f"tune: {line}", file=sys.stderr, flush=True))
+    finally:
+        bench.close()
+    tuned.store(result)
+    print(json.dumps(result.to_dict(), indent=2) if args.json else describe(result))
+    return 0
