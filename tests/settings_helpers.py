@@ -32,7 +32,8 @@ def every_flag(model_dir: Path, fine_tune: Path, calibration: Path) -> dict[str,
             "head_device": ["--head-device", "cpu"], "nvfp4_dtype": ["--nvfp4-dtype", "auto"],
             "allow_download": ["--offline"], "state_cache_mb": ["--state-cache-mb", "7"],
             "vision_cache_mb": ["--vision-cache-mb", "5"], "vision_engine": ["--vision-engine", "int8"],
-            "strict": ["--strict"],
+            "strict": ["--strict"], "decode_chunk": ["--decode-chunk", "256"],
+            "flash_attention": ["--flash-attention", "on"], "pack_size": ["--pack-size", "2"], "tune": ["--no-tune"],
             "calibration": ["--calibration", str(calibration)], "adapters": ["--adapter", f"ft={fine_tune}"]}
 
 
@@ -45,4 +46,4 @@ def expected_info(version: str, *, threads: int = 1) -> dict:
     return {"threads": threads, "head_threads": 2, "gpu_layers": 0, "max_length": 1024, "head_dtype": "bf16",
             "head_device": "cpu",
             "state_cache_mb": 7.0, "vision_cache_mb": 5.0, "vision_engine": "int8", "strict": True,
-            "calibration_version": version, "backend": "llama-cpp-python"}
+            "calibration_version": version, "backend": "llama-cpp-python", "attention": "flash-on", "tuned": {}}

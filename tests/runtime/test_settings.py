@@ -56,7 +56,8 @@ def test_defaults_of_the_command_line_and_the_python_api():
     ({"head_dtype": "fp8"}, "head_dtype"), ({"gpu_layers": -2}, "gpu_layers"), ({"backend": "onnx"}, "backend"),
     ({"state_cache_mb": -1}, "state_cache_mb"), ({"vision_cache_mb": -1}, "vision_cache_mb"),
     ({"vision_engine": "fp16"}, "vision_engine"),
-    ({"max_length": 0}, "max_length"), ({"bogus": 1}, "bogus"),
+    ({"max_length": 0}, "max_length"), ({"bogus": 1}, "bogus"), ({"decode_chunk": 0}, "decode_chunk"),
+    ({"pack_size": 0}, "pack_size"), ({"flash_attention": "maybe"}, "flash_attention"),
     ({"adapters": ["/x"]}, "adapters")])
 def test_bad_settings_name_their_field(values, field):
     with pytest.raises(errors.InvalidSetting) as exc:
@@ -117,6 +118,7 @@ def test_every_flag_reaches_the_model_the_local_engine_loads(flags):
         assert base.media.cache is not None and base.media.cache.max_bytes == 5 << 20
         assert base.media.engine == "int8"
         assert str(base.head_dtype) == "torch.bfloat16" and base.tower.n_ctx == 1024
+        assert (base.tower.n_batch, base.tower.pack_rule.pack, base.settings.tune) == (256, 2, False)
         assert base.settings.allow_download is False  # --offline
         assert models["ft"].settings == base.settings and models["ft"].provenance.fine_tune["name"] == "ft"
         assert models.base is base  # the calibrated base is the one the set holds, closes and routes to
