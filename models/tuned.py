@@ -60,6 +60,7 @@ class Tuning:
     rounds: int = 0
     measured_at: str = ""
     took_seconds: float = 0.0
+    busy: tuple[float, ...] = ()  # the 1-minute load average at the start and the end, per core
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -68,7 +69,7 @@ class Tuning:
     def from_dict(cls, d: dict[str, Any]) -> Tuning:
         trials = tuple(Trial(**{**t, "lengths": tuple(t["lengths"]), "speedups": tuple(t["speedups"]),
                                 "spreads": tuple(tuple(s) for s in t["spreads"])}) for t in d["trials"])
-        return cls(**{**d, "trials": trials, "lengths": tuple(d["lengths"])})
+        return cls(**{**d, "trials": trials, "lengths": tuple(d["lengths"]), "busy": tuple(d.get("busy", ()))})
 
 
 def cache_path() -> Path:

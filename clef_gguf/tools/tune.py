@@ -11,6 +11,7 @@ and tower file (``models/tuned.py``) and every command that loads the model uses
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -123,7 +124,7 @@ def side_by_side(bench: Bench, setting: str, value: Value, lengths: tuple[int, .
 def tune(bench: Bench, *, only: tuple[str, ...] = tuned.SETTINGS, lengths: tuple[int, ...] = DEFAULT_LENGTHS,
          rounds: int = DEFAULT_ROUNDS, progress: Callable[[str], None] = lambda line: None) -> Tuning:
     """Every value of every setting in ``only`` against the defaults; the best winner of each is chosen."""
-    start = time.monotonic()
+    start, busy = time.monotonic(), busy_now()
     values, skipped = bench.candidates()
     trials: list[Trial] = []
     chosen: dict[str, Value] = {}
@@ -145,7 +146,12 @@ def tune(bench: Bench, *, only: tuple[str, ...] = tuned.SETTINGS, lengths: tuple
     return Tuning(str(bench.tower.resolve()), bench.device, tuned.machine_hash(bench.device, tuned.gpu_names()
                   if bench.device == "gpu" else ()), dict(bench.defaults), chosen, tuple(trials),
                   {k: v for k, v in skipped.items() if k in only}, tuple(lengths), rounds, tuned.now(),
-                  round(time.monotonic() - start, 1))
+                  round(time.monotonic() - start, 1), (busy, busy_now()))
+
+
+def busy_now() -> float:
+    """The 1-minute load average per core: above 1, other processes competed for the cores measured."""
+    return round(os.getloadavg()[0] / max(1, os.cpu_count() or 1), 2)
 
 
 @dataclass

@@ -62,6 +62,9 @@ def describe(t: Tuning, status: str = "") -> str:
     head = (f"tune: {t.model} on the {t.device}: {', '.join(map(str, t.lengths))}-token decisions, "
             f"{t.rounds} rounds, measured {t.measured_at} in {t.took_seconds:.1f} s{status}")
     lines = [head]
+    if t.busy and max(t.busy) > 1:
+        lines.append(f"  the machine was busy (load average {max(t.busy):.1f} per core): other processes competed "
+                     "for the cores; measure again when it is quiet")
     for trial in t.trials:
         spread = "; ".join(f"{lo:.2f}-{hi:.2f}" for lo, hi in trial.spreads)
         lines.append(f"  {trial.setting}={trial.value} ({t.defaults.get(trial.setting)} by default): "

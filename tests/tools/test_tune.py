@@ -153,3 +153,19 @@ def test_a_real_run_on_the_tiny_model_is_kept_shown_and_used(capsys, tmp_path, t
         assert clef.tower.n_batch == 256 and clef.info["tuned"] == {"decode_chunk": 256}
     with Clef.load(model, tune=False) as clef:
         assert clef.tower.n_batch == 512
+
+
+def test_the_text_says_what_won_why_and_whether_the_machine_was_busy(monkeypatch):
+    from clef_gguf.tools.tune_command import describe
+
+    monkeypatch.setattr(tune.os, "getloadavg", lambda: (9.0, 9.0, 9.0))
+    bench = FakeBench({("decode_chunk", None): secs(1.0, 4.0), ("decode_chunk", 256): secs(0.8, 3.0)},
+                      skipped={"head_device": "no CUDA device: the head runs on the CPU"})
+    result = tune.tune(bench, lengths=LENGTHS, rounds=2)
+    assert len(result.busy) == 2 and min(result.busy) > 1
+    text = describe(result)
+    assert "decode_chunk=256 (512 by default): WINS: faster at every length: 1.25x at 466, 1.33x at 1986" in text
+    assert "head_device: not measured: no CUDA device" in text and "chosen: decode_chunk=256" in text
+    assert "the machine was busy" in text
+    monkeypatch.setattr(tune.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    assert "busy" not in describe(tune.tune(bench, lengths=LENGTHS, rounds=2))
