@@ -35,7 +35,7 @@ import torch
 from clef_gguf.convert import gguf_vocab, nvfp4, quantize
 from clef_gguf.convert.synthetic import tiny
 from clef_gguf.convert import tensor_map as tm
-from clef_gguf.convert.synthetic.big import plan, preset_config
+from clef_gguf.convert.synthetic.shapes import plan, preset_config
 from clef_gguf.convert.hf_to_gguf import SUPPORTED, add_metadata, stream_gguf, whole_gguf
 from clef_gguf.core.errors import ConversionError
 from clef_gguf.formats.gguf import ensure_gguf_types
@@ -82,9 +82,10 @@ def _metadata_writer(p: dict, tok, tokenizer_json: Path, name: str) -> tuple[ggu
     return writer, d, [item for item in items if item.gguf_name is not None]
 
 
-def write_skeleton(path: Path, preset: str, workdir: Path) -> dict:
-    """The skeleton bf16 GGUF of ``preset`` at ``path`` (see the module doc); returns its summary."""
-    p = probe_preset(preset)
+def write_skeleton(path: Path, preset: str, workdir: Path, layers: int | None = None) -> dict:
+    """The skeleton bf16 GGUF of ``preset`` (``layers``: that many blocks) at ``path`` (see the module
+    doc); returns its summary."""
+    p = probe_preset(preset, layers)
     tok = _tokenizer(p["bpe_vocab"])
     tokenizer_json = workdir / "probe-tokenizer.json"
     tok.save(str(tokenizer_json))

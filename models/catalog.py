@@ -128,6 +128,16 @@ class Architecture:
     head_dim: int
     vocab_size: int
     max_context: int
+    # The rest of the shape, where the catalog gives it: what ``convert.synthetic.shapes`` builds a random
+    # model of this family's shape from (its ``head``: the joint head's width, layers, heads, feed-forward).
+    feed_forward: int | None = None
+    full_attention_interval: int | None = None
+    linear_key_heads: int | None = None
+    linear_value_heads: int | None = None
+    linear_head_dim: int | None = None
+    rope_theta: float | None = None
+    mrope_sections: tuple[int, ...] | None = None
+    head: dict[str, int] | None = None
 
 
 @dataclass(frozen=True)

@@ -1,19 +1,16 @@
-"""A random Clef model at full size, written straight to GGUF by streaming tensors (not in CI).
+"""A random Clef model at full size, written straight to GGUF (not in CI).
 
     python -m clef_gguf.convert.synthetic.big OUT [--preset flash9b] [--outtype Q4_K_M] [--layers N]
 
-``flash9b`` has Clef-Flash's 9B shape (hidden 4096, 32 layers 3:1 linear/full, 16/4 attention
-heads of 256, feed-forward 12288, 16/32 linear key/value heads of 128, a 248,320-row vocab) and the
-full-size joint head (width 1024, 2 routing + 4 decoder layers, 16 heads, feed-forward 4096).
-RANDOM WEIGHTS: for timing and memory measurements only; the answers mean nothing.
+``flash9b`` has Clef-Flash's 9B shape as the model catalog gives it (``clef-flash``'s architecture in
+``models/catalog.json``: hidden 4096, 32 layers 3:1 linear/full, a 248,320-row vocab...) and the
+full-size joint head. RANDOM WEIGHTS: for timing and memory measurements only; the answers mean nothing.
 
-``convert.synthetic.tiny`` would write an 18 GB safetensors release first, one shard in memory at a time
-(~37 GB of f32 for the 9B). Here no release exists: each tower tensor is drawn, edited as
-``hf_to_gguf`` would edit it, encoded and appended to a bf16 GGUF, then the next; tensors over
-``CHUNK_ELEMENTS`` (the embedding and the lm_head, 1.0B values each) are drawn and written in row
-blocks as the file is written. Peak memory is one ~200 MB tensor. llama.cpp's quantizer
-(``convert.quantize``) then makes the published type and the bf16 intermediate is deleted. The
-head files and ``tokenizer.json`` are written as ``convert.synthetic.tiny`` writes them (small).
+``build_random_model`` writes the tower directly in its type (``convert.synthetic.tiled``: random rows
+of that type tiled; the 9B Q4_K_M tower in seconds, at disk speed) beside the head files and
+``tokenizer.json``, written as ``convert.synthetic.tiny`` writes them. ``write_random_tower`` streams
+every value drawn (f32/f16/bf16/q8_0), one tensor in memory at a time (tensors over ``CHUNK_ELEMENTS``
+in row blocks), for the tests that compare it with ``build_release`` + ``convert_release``.
 
 For a tiny preset the tower tensors are the ones ``build_release`` + ``convert_release`` give
 (tested): the same generator, drawn in the same order (vision and MTP tensors are drawn and
@@ -29,7 +26,6 @@ import math
 import shutil
 import sys
 import time
-from dataclasses import dataclass
 from typing import Any
 from pathlib import Path
 
@@ -38,21 +34,14 @@ import numpy as np
 import torch
 
 from clef_gguf.formats import files
-from clef_gguf.convert import gguf_vocab, quantize
-from clef_gguf.convert.synthetic import tiny
+from clef_gguf.convert import gguf_vocab
+from clef_gguf.convert.synthetic import tiled, tiny
+from clef_gguf.convert.synthetic.shapes import PlannedTensor, plan, preset_config, presets
 from clef_gguf.convert import tensor_map as tm
-from clef_gguf.convert.hf_to_gguf import SUPPORTED, add_metadata, stream_gguf, text_dims
+from clef_gguf.convert.hf_to_gguf import add_metadata, stream_gguf
 from clef_gguf.core.errors import ConversionError
 from clef_gguf.core.limits import GiB
 
-BIG_PRESETS: dict[str, dict] = {
-    # Clef-Flash (Qwen3.5-9B text tower) with the real head; vocab padded past the demo tokenizer.
-    "flash9b": dict(hidden=4096, layers=32, interval=4, ffn=12288, heads=16, kv_heads=4, head_dim=256,
-                    lin_k_heads=16, lin_v_heads=32, lin_head_dim=128, bpe_vocab=512, vocab_size=248320,
-                    mrope=[11, 11, 10], rope_theta=10_000_000.0, max_pos=262144, shards=1,
-                    head=dict(hidden_size=4096, width=1024, routing_layers=2, layers=4, heads=16,
-                              feedforward=4096)),
-}
 # Clef-Flash's vision tower (Qwen3.5-9B's vision_config: 27 blocks, width 1152, 456M parameters) and
 # Qwen3-VL's published processor settings (16-pixel patches merged 2x2: one token per 32x32 pixels; a
 # 448x448 picture keeps its size, 196 tokens). ``--vision`` writes a random one beside the tower.
@@ -77,58 +66,6 @@ _QUANT_BYTES_PER_VALUE = 1.07
 RANDOM_WARNING = "RANDOM WEIGHTS - for timing only; the answers mean nothing."
 
 
-def presets() -> dict[str, dict]:
-    return {**tiny.PRESETS, **BIG_PRESETS}
-
-
-def preset_config(preset: str, layers: int | None = None) -> dict:
-    if preset not in presets():
-        raise ConversionError(f"unknown preset {preset!r}; choose one of {', '.join(presets())}")
-    p = dict(presets()[preset])
-    if layers is not None:
-        if layers < 1 or layers % p["interval"]:
-            raise ConversionError(f"--layers must be a positive multiple of {p['interval']} "
-                                  "(the full-attention interval), so the 3:1 pattern stays whole")
-        p["layers"] = layers
-    return p
-
-
-@dataclass
-class _Item:
-    hf_name: str          # as convert.synthetic.tiny names it
-    shape: list[int]      # Hugging Face shape
-    rule: tuple           # convert.synthetic.tiny's init rule
-    gguf_name: str | None  # None: a vision/MTP tensor, drawn and dropped
-    edits: tuple[str, ...] = ()
-    qtype: gguf.GGMLQuantizationType | None = None
-    layout: tuple = ()
-
-    @property
-    def stored(self) -> tuple[str, gguf.GGMLQuantizationType]:
-        """(GGUF name, tensor type) of a tensor the file holds."""
-        if self.gguf_name is None or self.qtype is None:
-            raise ConversionError(f"{self.hf_name} is drawn and dropped: the GGUF does not hold it")
-        return self.gguf_name, self.qtype
-
-
-def plan(p: dict, outtype: str, tok) -> tuple[dict, tm.Dims, list[_Item]]:
-    """(text config, dims, every tensor of convert.synthetic.tiny's list in its draw order, mapped)."""
-    text = tiny.make_config(p, tok)["text_config"]
-    d = text_dims(text, tied=False)
-    prefix = SUPPORTED["Qwen3_5ForConditionalGeneration"][1]
-    items = []
-    for name, shape, rule in tiny.tensor_specs(p):
-        if name.startswith(tm.SKIP_PREFIXES):
-            items.append(_Item(name, shape, rule, None))
-            continue
-        rel = name if name == "lm_head.weight" else name[len(prefix):]
-        gg, edits = tm.gguf_name(rel)
-        out_shape = tm.output_shape(shape, edits)
-        qtype = tm.storage_type(gg, out_shape, outtype)
-        items.append(_Item(name, shape, rule, gg, edits, qtype, tm.encoded_layout(out_shape, qtype)))
-    return text, d, items
-
-
 def _encode(values: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
     # bf16 through torch (one pass); the values are bf16 already, so the bits are gguf-py's too.
     if qtype == gguf.GGMLQuantizationType.BF16:
@@ -141,7 +78,7 @@ class _RowBlocks:
     and calls ``tofile``, so the rows are drawn there, block by block, in file order. Drawing at
     write time keeps the shared generator in the same order as the file."""
 
-    def __init__(self, item: _Item, gen: torch.Generator):
+    def __init__(self, item: PlannedTensor, gen: torch.Generator):
         kind, self.scale = item.rule
         if kind != "normal" or item.edits or len(item.shape) != 2:
             raise ConversionError(f"{item.hf_name} is too large to draw at once and is not a plain "
@@ -157,7 +94,7 @@ class _RowBlocks:
             _encode(block.to(torch.bfloat16), self.item.stored[1]).tofile(fh)
 
 
-def _payloads(items: list[_Item], d: tm.Dims, gen: torch.Generator):
+def _payloads(items: list[PlannedTensor], d: tm.Dims, gen: torch.Generator):
     for item in items:
         if math.prod(item.shape) > CHUNK_ELEMENTS and item.gguf_name is not None:
             yield _RowBlocks(item, gen)
@@ -232,29 +169,28 @@ def _free_bytes(out: Path) -> int:
     return shutil.disk_usage(base).free
 
 
-def needed_bytes(p: dict, outtype: str) -> tuple[int, int]:
-    """(intermediate bf16 tower, final tower) sizes, estimated from the tensor list."""
+def needed_bytes(p: dict, outtype: str) -> int:
+    """The tower's size on disk, estimated from the tensor list (never under the real size)."""
     values = sum(math.prod(shape) for name, shape, _ in tiny.tensor_specs(p)
                  if not name.startswith(tm.SKIP_PREFIXES))
-    final = values * _BYTES_PER_VALUE.get(outtype, _QUANT_BYTES_PER_VALUE)
-    return (0 if outtype in tm.OUTTYPES else values * 2), int(final)
+    return int(values * _BYTES_PER_VALUE.get(outtype, _QUANT_BYTES_PER_VALUE))
 
 
 def build_random_model(out, *, preset: str = "flash9b", outtype: str = "Q4_K_M", seed: int = 0,
-                       layers: int | None = None, threads: int | None = None, vision: bool = False) -> dict:
-    """A clef-gguf model directory ``out`` (tower, head files, tokenizer, manifest; ``vision``: a
-    random vision tower of Clef-Flash's shape too); returns a summary."""
-    outtype = quantize.canonical_outtype(outtype)
+                       layers: int | None = None, vision: bool = False) -> dict:
+    """A clef-gguf model directory ``out`` (tower written directly in ``outtype`` by
+    ``convert.synthetic.tiled``, head files, tokenizer, manifest; ``vision``: a random vision tower of
+    Clef-Flash's shape too); returns a summary."""
+    outtype = tiled.canonical(outtype)
     p = preset_config(preset, layers)
     out = Path(out)
-    mid_bytes, final_bytes = needed_bytes(p, outtype)
+    tower_bytes = needed_bytes(p, outtype)
     head_bytes = GiB  # the full-size head in bf16 is ~0.3 GB; a margin for the manifest's temp
     free = _free_bytes(out)
-    if free < mid_bytes + final_bytes + head_bytes:
-        raise ConversionError(f"{out}: needs ~{(mid_bytes + final_bytes + head_bytes) / 1e9:.1f} GB free "
-                              f"(intermediate {mid_bytes / 1e9:.1f} GB + tower {final_bytes / 1e9:.1f} GB "
-                              f"+ head), has {free / 1e9:.1f} GB")
-    name = f"clef-random-{preset}{'' if layers is None else f'-{layers}l'}-seed{seed}"
+    if free < tower_bytes + head_bytes:
+        raise ConversionError(f"{out}: needs ~{(tower_bytes + head_bytes) / 1e9:.1f} GB free "
+                              f"(tower {tower_bytes / 1e9:.1f} GB + head), has {free / 1e9:.1f} GB")
+    name = f"clef-random-{preset}{'' if layers is None else f'-{layers}l'}-{outtype}-seed{seed}"
     timings = {}
     start = time.perf_counter()
     with files.staged_directory(out) as stage:
@@ -269,23 +205,11 @@ def build_random_model(out, *, preset: str = "flash9b", outtype: str = "Q4_K_M",
             vision_files = tuple(write_random_vision(stage, p, seed).values())
             timings["vision_s"] = round(time.perf_counter() - t0, 1)
         tower = f"tower-{outtype}.gguf"
-        if outtype in tm.OUTTYPES:
-            written = write_random_tower(stage / tower, preset=preset, outtype=outtype, seed=seed,
-                                         layers=layers, tokenizer_json=stage / files.TOKENIZER, name=name)
-            timings["write_s"] = written["seconds"]
-        else:
-            mid = stage / ".intermediate-bf16.gguf"
-            written = write_random_tower(mid, preset=preset, outtype="bf16", seed=seed, layers=layers,
-                                         tokenizer_json=stage / files.TOKENIZER, name=name)
-            timings["write_s"] = written["seconds"]
-            try:
-                quant = quantize.quantize_file(mid, stage / tower, outtype, threads=threads)
-            finally:
-                mid.unlink(missing_ok=True)  # 18 GB for the 9B: never left behind
-            timings["quantize_s"] = quant["seconds"]
-            written["quantization"] = {k: quant[k] for k in ("tensor_types", "output_weight")}
+        written = tiled.write_tiled_tower(stage / tower, preset=preset, outtype=outtype, seed=seed, layers=layers,
+                                          tokenizer_json=stage / files.TOKENIZER, name=name)
+        timings["write_s"] = written["seconds"]
         source = {"random_weights": True, "preset": preset, "layers": p["layers"], "seed": seed,
-                  "generator": "clef_gguf.convert.synthetic.big", "intermediate_bytes": written["bytes"]}
+                  "generator": "clef_gguf.convert.synthetic.tiled"}
         files.write_manifest(stage, name, outtype,
                              {"tower": tower, "head_weights": files.HEAD_WEIGHTS,
                               "head_config": files.HEAD_CONFIG, "tokenizer": files.TOKENIZER},
@@ -293,7 +217,7 @@ def build_random_model(out, *, preset: str = "flash9b", outtype: str = "Q4_K_M",
         tower_bytes = (stage / tower).stat().st_size
     timings["total_s"] = round(time.perf_counter() - start, 1)
     return {"model_dir": str(out), "tower": str(out / tower), "outtype": outtype, "preset": preset,
-            "layers": p["layers"], "tensors": written["tensors"], "values": written["values"],
+            "layers": p["layers"], "tensors": written["tensors"], "tensor_types": written["tensor_types"],
             "tower_bytes": tower_bytes, **timings, "warning": RANDOM_WARNING}
 
 
@@ -303,17 +227,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--preset", choices=list(presets()), default="flash9b",
                     help="shape (default flash9b: Clef-Flash's 9B tower and full-size head)")
     ap.add_argument("--outtype", default="Q4_K_M", metavar="TYPE",
-                    help="f32/f16/bf16/q8_0 (written directly) or a llama.cpp quant (default Q4_K_M)")
+                    help="f32/f16/bf16/q8_0, a llama.cpp quant whose mix is K-quants, Q4_0-Q8_0 or IQ4 "
+                         "(its per-tensor types), or nvfp4 (an NVFP4 checkpoint's GGUF); default Q4_K_M")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     ap.add_argument("--layers", type=int, help="write only this many blocks (a multiple of 4), "
                     "same shapes: time a short run before the full one")
-    ap.add_argument("--threads", type=int, help="quantizer threads (default: all available)")
     ap.add_argument("--vision", action="store_true", help="also a random vision tower of Clef-Flash's shape "
                     "(27 blocks, width 1152; 0.9 GB bf16) and its processor files, for `bench --picture`")
     args = ap.parse_args(argv)
     print(f"clef_gguf.convert.synthetic.big: {RANDOM_WARNING}", file=sys.stderr)
     summary = build_random_model(args.out, preset=args.preset, outtype=args.outtype, seed=args.seed,
-                                 layers=args.layers, threads=args.threads, vision=args.vision)
+                                 layers=args.layers, vision=args.vision)
     print(json.dumps(summary, indent=2))
     return 0
 
