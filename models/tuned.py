@@ -39,7 +39,7 @@ class Trial:
     lengths: tuple[int, ...]
     speedups: tuple[float, ...]  # per length: the default's median time / this value's (> 1: faster)
     spreads: tuple[tuple[float, float], ...]  # per length: the lowest and highest per-round ratio
-    max_dp: float  # the largest |dp| of its answers against the default's
+    max_dp: float | None  # the largest |dp| of its answers against the default's (None: it could not run)
     bar: float  # the parity bar it was held to: 0.0 is byte-identical
     won: bool
     reason: str

@@ -133,11 +133,15 @@ def tune(bench: Bench, *, only: tuple[str, ...] = tuned.SETTINGS, lengths: tuple
             continue
         won: list[Trial] = []
         for value in values[setting]:
-            with bench.use(setting, value):
-                base, tried = side_by_side(bench, setting, value, lengths, rounds)
-                max_dp = max(float(np.abs(bench.answers(setting, None, n) - bench.answers(setting, value, n)).max())
-                             for n in lengths)
-            trial = judge(setting, value, lengths, base, tried, max_dp, bar(setting, bench.device))
+            try:
+                with bench.use(setting, value):
+                    base, tried = side_by_side(bench, setting, value, lengths, rounds)
+                    max_dp = max(float(np.abs(bench.answers(setting, None, n) - bench.answers(setting, value, n)).max())
+                                 for n in lengths)
+                trial = judge(setting, value, lengths, base, tried, max_dp, bar(setting, bench.device))
+            except ClefError as exc:  # a value this build or device refuses is a finding, not the end of the run
+                trial = Trial(setting, value, lengths, (), (), None, bar(setting, bench.device), False,
+                              f"could not run: {exc.message}")
             progress(f"{setting}={value}: {'chosen' if trial.won else 'not chosen'}: {trial.reason}")
             trials.append(trial)
             won += [trial] if trial.won else []

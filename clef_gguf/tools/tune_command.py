@@ -81,7 +81,7 @@ def show(args: argparse.Namespace) -> int:
     from clef_gguf.runtime.load import resolve
     from clef_gguf.runtime.settings import LoadSettings
 
-    tower = resolve(LoadSettings.of(**_settings(args))).tower
+    tower = resolve(LoadSettings.of(**_settings(args) | {"allow_download": False})).tower  # shows, never downloads
     found = {device: (t, t is not None and tuned.current(tower, device) is not None)
              for device in ("cpu", "gpu") if (t := tuned.kept(tower, device)) is not None}
     if args.json:

@@ -169,3 +169,20 @@ def test_the_text_says_what_won_why_and_whether_the_machine_was_busy(monkeypatch
     assert "the machine was busy" in text
     monkeypatch.setattr(tune.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
     assert "busy" not in describe(tune.tune(bench, lengths=LENGTHS, rounds=2))
+
+
+def test_a_value_that_cannot_run_is_reported_and_the_run_goes_on():
+    class Refusing(FakeBench):
+        def use(self, setting, value):
+            if value == "on":
+                raise InvalidSetting("flash attention is not supported here", field="flash_attention")
+            return nullcontext()
+
+    bench = Refusing({("flash_attention", None): secs(1.0, 4.0), ("flash_attention", "on"): secs(0.5, 2.0),
+                      ("flash_attention", "off"): secs(0.5, 2.0)})
+    result = tune.tune(bench, lengths=LENGTHS, rounds=2)
+    failed = next(t for t in result.trials if t.value == "on")
+    assert not failed.won and failed.max_dp is None
+    assert "could not run: flash attention is not supported" in failed.reason
+    assert result.chosen == {"flash_attention": "off"}
+    assert tuned.Tuning.from_dict(json.loads(json.dumps(result.to_dict()))) == result
