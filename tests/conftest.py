@@ -36,6 +36,7 @@ SLOW_MODULES = {
     "tests/server/test_server_media_fuzz.py": "70 bad pictures through a serve process, 5 decide processes",
     "tests/test_cli_media.py": "one Python process per command",
     "tests/server/test_ui_browser.py": "headless Chromium against real servers",
+    "tests/server/test_ui_evidence_browser.py": "headless Chromium against a real server: the evidence view",
     "tests/tools/test_bench.py": "benchmarks in alternating rounds",
     "tests/tools/test_bench_server.py": "a server under load",
     "tests/tools/test_versus_server.py": "upstream-style server processes",

@@ -21,6 +21,7 @@ from typing import Any
 ASSETS = {
     "/": ("index.html", "text/html; charset=utf-8"),
     "/ui/app.js": ("app.js", "text/javascript; charset=utf-8"),
+    "/ui/evidence.js": ("evidence.js", "text/javascript; charset=utf-8"),
     "/ui/app.css": ("app.css", "text/css; charset=utf-8"),
     "/ui/icon.svg": ("icon.svg", "image/svg+xml"),
 }

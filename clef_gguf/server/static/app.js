@@ -568,6 +568,7 @@
     if ($("opt-truncate").checked) options.push(["truncate_state", {k: "b", v: true}]);
     if ($("opt-strict").checked) options.push(["strict", {k: "b", v: true}]);
     if (options.length) entries.push(["options", obj(options)]);
+    if ($("opt-evidence").value) entries.push(["evidence", obj([["mode", S($("opt-evidence").value)]])]);
     return obj(entries);
   }
 
@@ -588,6 +589,9 @@
     const options = get(node, "options");
     $("opt-truncate").checked = !!(get(options, "truncate_state") || {}).v;
     $("opt-strict").checked = !!(get(options, "strict") || {}).v;
+    const evidence = get(node, "evidence");
+    $("opt-evidence").value = !evidence || evidence.k === "z" || (evidence.k === "b" && !evidence.v) ? ""
+      : text(get(evidence, "mode")) || "attention";
     if (formView()) renderQuestions(); else showQuestionsJson();
     clearErrors();
     pickModelOf(node);
@@ -869,6 +873,7 @@
       section.append(table);
       results.append(section);
     }
+    showEvidence(result);
     const usage = get(result.response, "usage");
     $("tokens").textContent = dump(get(usage, "input_tokens") || {k: "z"});
     $("cached").textContent = dump(get(usage, "cached_tokens") || {k: "z"});
@@ -892,6 +897,23 @@
       el("li", {text: "Warning: " + (text(get(w, "message")) || dump(w))})));
     $("answers-status").textContent = "Answered by " + (result.model || "the model") +
       (baseline ? "; compared with the baseline (" + baseline.label + ")" : "");
+  }
+
+  // The evidence block (asked for with "evidence"): the selected question's spans over the state.
+  function showEvidence(result) {
+    const node = get(result.response, "evidence");
+    $("evidence").hidden = !node;
+    if (!node) return;
+    const evidence = JSON.parse(dump(node));
+    const state = result.node ? get(result.node, "state") : undefined;
+    const stateText = state ? window.clefEvidence.render(state) : "";
+    const picker = $("evidence-question");
+    const qids = ((get(result.response, "answers") || {e: []}).e).map(([qid]) => qid);
+    const keep = qids.includes(picker.value) ? picker.value : qids[0];
+    picker.replaceChildren(...qids.map((qid) => el("option", {value: qid, text: qid})));
+    picker.value = keep;
+    picker.onchange = () => window.clefEvidence.show($("evidence-view"), stateText, evidence, picker.value);
+    picker.onchange();
   }
 
   function scale(a, b) {
