@@ -172,6 +172,11 @@ class ModelBench:
 
     def __post_init__(self) -> None:
         self.base = self._load({})
+        if self.base.info["backend"] != "llama-cpp-python":
+            name = self.base.files.tower
+            self.close()
+            raise InvalidSetting(f"tune measures llama.cpp towers; {name} runs in PyTorch (the nvfp4 backend): "
+                                 "give a GGUF model", field="model")
         tower = self.base.tower
         self.device = "gpu" if tower.gpu_layers else "cpu"
         self.tower = Path(self.base.files.tower)

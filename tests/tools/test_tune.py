@@ -186,3 +186,12 @@ def test_a_value_that_cannot_run_is_reported_and_the_run_goes_on():
     assert "could not run: flash attention is not supported" in failed.reason
     assert result.chosen == {"flash_attention": "off"}
     assert tuned.Tuning.from_dict(json.loads(json.dumps(result.to_dict()))) == result
+
+
+def test_an_nvfp4_checkpoint_is_refused_and_its_loads_refuse_llama_settings(capsys, tiny_nvfp4_dir):
+    model = tiny_nvfp4_dir("nvfp4a16")
+    assert cli.main(["tune", "--model", str(model), "--only", "threads"]) == 2
+    error = json.loads(capsys.readouterr().out)["error"]
+    assert error["field"] == "model" and "tune measures llama.cpp towers" in error["message"]
+    with pytest.raises(InvalidSetting, match="--pack-size"):
+        Clef.load(model, pack_size=2)
