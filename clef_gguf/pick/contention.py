@@ -49,7 +49,7 @@ def _own_seconds(process: psutil.Process, waited: bool = True) -> float:
     return t.user + t.system + ((t.children_user + t.children_system) if waited else 0.0)
 
 
-def contention(others: float, threads: int, cores: int | None = None) -> float:
+def contended_cores(others: float, threads: int, cores: int | None = None) -> float:
     """Cores' worth of other work on the cores a ``threads``-thread probe uses: ``others`` less the
     cores it leaves free."""
     spare = max(0, (cores or psutil.cpu_count() or 1) - threads)
@@ -62,7 +62,7 @@ class Window:
 
     seconds: float
     others: float  # cores' worth of busy time that was not the probe's (machine busy - probe - pick)
-    contended: float  # the part of it on the probe's cores (``contention``)
+    contended: float  # the part of it on the probe's cores (``contended_cores``)
 
     @property
     def loaded(self) -> bool:
@@ -104,7 +104,7 @@ class Meter:
         self._mark = now
         seconds = max(t1 - t0, 1e-6)
         others = max(0.0, (busy1 - busy0) - max(0.0, own1 - own0)) / seconds
-        return Window(seconds, others, contention(others, self.threads))
+        return Window(seconds, others, contended_cores(others, self.threads))
 
 
 def contention_now(threads: int, sample: float = QUIET_SAMPLE_S) -> float:
@@ -115,7 +115,7 @@ def contention_now(threads: int, sample: float = QUIET_SAMPLE_S) -> float:
     time.sleep(sample)
     seconds = time.monotonic() - t0
     others = max(0.0, (_busy_seconds() - busy0) - (_own_seconds(me, waited=False) - own0)) / seconds
-    return contention(others, threads)
+    return contended_cores(others, threads)
 
 
 def kernel_group(quant: str) -> str:

@@ -49,9 +49,9 @@ def psutil_cores() -> int:
 
 
 def test_only_the_cores_the_probe_uses_count():
-    assert contention.contention(1.0, threads=1, cores=2) == 0.0  # one busy core, one free: no contention
-    assert contention.contention(1.0, threads=2, cores=2) == 1.0
-    assert contention.contention(2.5, threads=4, cores=4) == 2.5
+    assert contention.contended_cores(1.0, threads=1, cores=2) == 0.0  # one busy core, one free: no contention
+    assert contention.contended_cores(1.0, threads=2, cores=2) == 1.0
+    assert contention.contended_cores(2.5, threads=4, cores=4) == 2.5
     assert not contention.Window(1.0, 0.9, 0.2).loaded and contention.Window(1.0, 0.9, 0.3).loaded
 
 
