@@ -30,6 +30,7 @@ def attention_weights(attention: nn.MultiheadAttention, query: Tensor, key: Tens
     averaged over its heads, with ``need_weights=True``'s arithmetic (no mask, packed in-projection)."""
     width, heads = attention.embed_dim, attention.num_heads
     dim = width // heads
+    assert attention.in_proj_weight is not None, "the head's attention packs q, k and v in one projection"
     weight = attention.in_proj_weight.float()
     bias = attention.in_proj_bias.float() if attention.in_proj_bias is not None else None
     q = nn.functional.linear(query.float(), weight[:width], None if bias is None else bias[:width])

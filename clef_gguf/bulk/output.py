@@ -1,7 +1,7 @@
 """The batch output: one record per input record, appended and fsynced as it is answered, and
 what a rerun with the same output finds already done.
 
-A record is ``{"id", "model", "answers", "usage", "audit"[, "warnings"][, "truncated"]}`` or
+A record is ``{"id", "model", "answers", "usage", "audit"[, "warnings"][, "truncated"][, "evidence"]}`` or
 ``{"id", "error": {code, message, field}}``. ``usage.cached_tokens`` and ``usage.cached_media_tokens``
 are left out: they say what the caches held, so without them the output is a function of the input
 alone (a resumed run, a rerun and the Ray engine write the same bytes).

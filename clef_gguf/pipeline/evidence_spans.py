@@ -115,7 +115,7 @@ def state_offsets(encoder: Encoder, text: str, ids: np.ndarray) -> list[tuple[in
     if list(encoding.ids[:n]) != [int(i) for i in ids]:
         raise errors.InternalError("the state's tokens differ from the prompt's; no evidence can be placed",
                                    field="evidence")
-    return [tuple(pair) for pair in encoding.offsets[:n]]
+    return [(int(a), int(b)) for a, b in encoding.offsets[:n]]
 
 
 # ---------------------------------------------------------------- attention -> spans

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
-from typing import Any
+from contextlib import ExitStack
+from typing import Any, cast
 
 import numpy as np
 import torch
 
 from clef_gguf.heads.attention import HeadAttention, recording
+from clef_gguf.heads.joint import JointSchemaHead
 from clef_gguf.pipeline import answer
 from clef_gguf.pipeline.encode import Encoded, Prepared
 from clef_gguf.pipeline.lexical import RowStore
@@ -44,7 +45,8 @@ def decision(prepared: Prepared, hidden: np.ndarray, cached: int, tower_ms: floa
     """The response to ``prepared`` from its hidden states, with the time of every stage (ms);
     ``explain``: the head's attention is recorded and the evidence added (timed as "evidence")."""
     enc, t1 = prepared.encoded, time.perf_counter()
-    with recording(head) if explain is not None else nullcontext() as attention:
+    with ExitStack() as stack:
+        attention = None if explain is None else stack.enter_context(recording(cast(JointSchemaHead, head)))
         logits, option_ids, t2 = head_logits(head, lexical, enc, hidden)
     t3 = time.perf_counter()
     probs = answer.split_probabilities(logits, enc.option_counts, tuple(temperatures))
@@ -52,7 +54,7 @@ def decision(prepared: Prepared, hidden: np.ndarray, cached: int, tower_ms: floa
                                option_token_ids=option_ids, cached_tokens=cached,
                                cached_media_tokens=0 if enc.media is None else enc.media.cached_tokens)
     t4 = time.perf_counter()
-    if explain is not None:
+    if explain is not None and attention is not None:
         response["evidence"] = explain(probs, attention)
         response["audit"]["evidence"] = response["evidence"]["mode"]
     t5 = time.perf_counter()
