@@ -293,3 +293,15 @@ def test_stdout_carries_only_the_protocol_and_files_are_refused_by_default(tiny_
             proc.wait(TIMEOUT_S)
     assert rest == ""
     assert "llama" in err and err.count("loaded tower") == 1  # the logs went to stderr; one load
+
+
+def test_a_capacity_refusal_says_the_words_clients_read(client):
+    from clef_gguf.core.refusals import KIT_PHRASES
+
+    too_many = {"type": "choice", "criteria": {f"o{i}": f"option {i}" for i in range(256)}}
+    for arguments, code in [({"state": "word " * 3000, "questions": {"q": {"type": "noul"}}}, "context_too_large"),
+                            ({"state": "x", "questions": {"q": too_many}, "options": {"strict": True}},
+                             "too_many_options")]:
+        result = client.call("decide", arguments)
+        assert result.is_error and result.structured_content["error"]["code"] == code
+        assert any(phrase in result.content[0].text for phrase in KIT_PHRASES), result.content[0].text
