@@ -17,12 +17,12 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 
-from clef_gguf.heads.joint import JointSchemaHead
+from clef_gguf.heads.joint import EvidenceRoutingLayer, JointSchemaHead
 
 
 def attention_weights(attention: nn.MultiheadAttention, query: Tensor, key: Tensor) -> Tensor:
@@ -78,8 +78,8 @@ def recording(head: JointSchemaHead) -> Iterator[HeadAttention]:
     """Within the block, this thread's forward pass of ``head`` records its attention into the
     yielded ``HeadAttention`` (one pass per block)."""
     record, thread = HeadAttention(), threading.get_ident()
-    modules = [(block.attention, "routing") for block in head.evidence_layers]
-    modules += [(block.multihead_attn, "deciding") for block in head.layers]
+    modules = [(cast(EvidenceRoutingLayer, block).attention, "routing") for block in head.evidence_layers]
+    modules += [(cast(nn.TransformerDecoderLayer, block).multihead_attn, "deciding") for block in head.layers]
     handles = [module.register_forward_pre_hook(_hook(record, kind, thread), with_kwargs=True)
                for module, kind in modules]
     try:
