@@ -1,36 +1,84 @@
 #!/usr/bin/env bash
-# Make the bundle scripts/gpu-check.sh installs on the offline GPU machine, here (PyPI reachable):
-#   bash scripts/gpu-bundle.sh OUT [BASE]
-# BASE: a bundle of llama-cpp-python built for CUDA (default ../shared/gpu-bundle, made by
-# ../shared/tools/cuda-bundle.sh: ~32 min on 2 cores for sm_90; another for a build variant such as flash
-# attention on or GGML_CUDA_FORCE_CUBLAS, named in BASE/VARIANT). Adds what the check needs that the GPU
-# image (Python 3.12, torch 2.11+cu130) lacks, and this project's wheel (installed --no-deps). Put OUT in
-# an ignored folder of the checkout and name it in the device tool's `carry` (64 MiB in all); never commit it.
+# Everything an offline GPU host needs for scripts/gpu-check.sh, made on a machine that reaches PyPI:
+#   bash scripts/gpu-bundle.sh DIR [--cuda-arch 90] [--llama-wheel FILE] [--python-version 3.12] [--find-links D]
+# DIR/whl gets:
+#   - llama-cpp-python built for CUDA from PyPI's sdist (~30 min on 2 cores for one architecture), or the
+#     prebuilt wheel --llama-wheel names. The build's nvcc: $CUDA_HOME/bin/nvcc (default /usr/local/cuda),
+#     else the nvidia-cuda-nvcc wheel; cuBLAS: the nvidia-cublas wheel. CMake flags (docs/gpu.md):
+#     -DGGML_CUDA=ON -DGGML_CUDA_NO_VMM=ON -DCMAKE_CUDA_ARCHITECTURES=<arch> -DLLAVA_BUILD=OFF
+#   - this project's wheel (installed --no-deps), and the wheels a GPU image with torch may lack, at the
+#     versions requirements/test.txt pins, for the host's Python (--python-version, default 3.12);
+#   - nvidia-cublas (the llama.cpp build's cuBLAS at run time, where the image's torch has another).
+# DIR/BUILD.json says what was built and how. --find-links D: take the wheels from folder D, not PyPI.
 set -euo pipefail
+py="${PYTHON:-python3}"  # the Python whose pip builds and downloads
 root="$(cd "$(dirname "$0")/.." && pwd)"
-out="$(mkdir -p "$1" && cd "$1" && pwd)"
-base="${2:-$root/../shared/gpu-bundle}"
-cp -r "$base"/. "$out"/
-chmod -R u+w "$out"
+usage() { echo "usage: bash scripts/gpu-bundle.sh DIR [--cuda-arch N] [--llama-wheel FILE] [--python-version X.Y] [--find-links DIR]" >&2; exit 2; }
+[ $# -ge 1 ] && [ "${1#-}" = "$1" ] || usage
+out="$(mkdir -p "$1" && cd "$1" && pwd)"; shift
+arch=90 llama_wheel="" pyver=3.12 links=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --cuda-arch) arch="${2:?--cuda-arch needs a value such as 90}"; shift 2 ;;
+    --llama-wheel) llama_wheel="$(realpath "${2:?--llama-wheel needs a FILE}")"; shift 2 ;;
+    --python-version) pyver="${2:?--python-version needs X.Y}"; shift 2 ;;
+    --find-links) links=(--no-index --find-links "$(realpath "${2:?--find-links needs a folder}")"); shift 2 ;;
+    *) echo "gpu-bundle: unknown option $1" >&2; usage ;;
+  esac
+done
+[[ "$arch" =~ ^[0-9]+[a-z]?(;[0-9]+[a-z]?)*$ ]] || { echo "gpu-bundle: --cuda-arch $arch is not a CUDA architecture list (90, 89;90)" >&2; exit 2; }
+[[ "$pyver" =~ ^3\.[0-9]+$ ]] || { echo "gpu-bundle: --python-version $pyver is not X.Y" >&2; exit 2; }
+if [ -n "$llama_wheel" ] && [ ! -f "$llama_wheel" ]; then echo "gpu-bundle: no file $llama_wheel" >&2; exit 2; fi
 mkdir -p "$out/whl"
-rm -f "$out"/whl/clef_gguf-*.whl
-python3 -m pip wheel -q --no-deps -w "$out/whl" "$root"  # setuptools as pyproject pins it
-plat=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none
-      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
-# serve and bench-server (fastapi imports annotated-doc and opentelemetry-api at load), at the versions
-# the suite tested (requirements/test.txt); the speed probe's RAM probe is in the image (psutil);
-# fla-core: the linear attention's Triton kernels for the nvfp4 backend (pure Python; its einops with it)
-pinned() {  # NAME -> NAME==VERSION as requirements/test.txt pins it
+rm -f "$out"/whl/*.whl
+pinned() {  # NAME -> NAME==VERSION as requirements/test.txt (or pyproject.toml) pins it
   local line
-  line="$(grep -i -m1 "^$1==" "$root/requirements/test.txt")" || { echo "gpu-bundle: $1 is not pinned in requirements/test.txt" >&2; exit 1; }
+  line="$(grep -ih -m1 "^$1==" "$root/requirements/test.txt")" \
+    || line="$(grep -oi -m1 "\"$1==[^\"]*\"" "$root/pyproject.toml" | tr -d '"')" \
+    || { echo "gpu-bundle: $1 is not pinned in requirements/test.txt" >&2; exit 1; }
   echo "$line"
 }
+CUBLAS="nvidia-cublas==13.0.0.19"
+llama="$(pinned llama-cpp-python)"
+flags="-DGGML_CUDA=ON -DGGML_CUDA_NO_VMM=ON -DCMAKE_CUDA_ARCHITECTURES=$arch -DLLAVA_BUILD=OFF"
+if [ -n "$llama_wheel" ]; then
+  cp "$llama_wheel" "$out/whl/"
+  built="prebuilt: $(basename "$llama_wheel")"
+else
+  tools="$(mktemp -d)"; trap 'rm -rf "$tools"' EXIT
+  cuda="${CUDA_HOME:-/usr/local/cuda}"
+  if [ ! -x "$cuda/bin/nvcc" ]; then  # the compiler from PyPI: the nvidia-cuda-nvcc wheel
+    "$py" -m pip install -q "${links[@]}" --target "$tools/nvcc" "nvidia-cuda-nvcc==13.0.*"
+    cuda="$(dirname "$(dirname "$(find "$tools/nvcc" -name nvcc -type f | head -1)")")"
+  fi
+  "$py" -m pip install -q "${links[@]}" --target "$tools/cublas" "$CUBLAS"
+  cublas="$(dirname "$(find "$tools/cublas" -name 'libcublas.so*' | head -1)")"
+  echo "gpu-bundle: compiling $llama for CUDA sm_$arch with $cuda/bin/nvcc (about 30 min on 2 cores)" >&2
+  CUDACXX="$cuda/bin/nvcc" CUDA_HOME="$cuda" LIBRARY_PATH="$cublas${LIBRARY_PATH:+:$LIBRARY_PATH}" \
+    CPATH="$cublas/../include${CPATH:+:$CPATH}" CMAKE_ARGS="$flags -DCUDAToolkit_ROOT=$cuda" FORCE_CMAKE=1 \
+    "$py" -m pip wheel -q "${links[@]}" --no-deps --no-binary llama-cpp-python -w "$out/whl" "$llama"
+  built="compiled here: CMAKE_ARGS=$flags, nvcc $("$cuda/bin/nvcc" --version | tail -1)"
+fi
+isolation=()  # with no index, the build backend comes from this Python, not a download
+if [ ${#links[@]} -gt 0 ]; then isolation=(--no-build-isolation); fi
+"$py" -m pip wheel -q "${links[@]}" "${isolation[@]}" --no-deps -w "$out/whl" "$root"
+major="${pyver%%.*}" minor="${pyver#*.}"
+plat=(--only-binary=:all: --python-version "$pyver" --implementation cp --abi "cp$major$minor" --abi abi3 --abi none
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
+# serve and bench-server (fastapi imports annotated-doc and opentelemetry-api at load), llama-cpp-python's
+# diskcache, the GGUF reader; fla-core (the nvfp4 backend's Triton kernels, pure Python) and its einops
 for p in fastapi starlette uvicorn h11 anyio sniffio click prometheus-client httpx httpcore certifi idna \
-         annotated-doc opentelemetry-api filelock; do
-  spec="$(pinned "$p")"
-  python3 -m pip download -q --no-deps "${plat[@]}" -d "$out/whl" "$spec"
+         annotated-doc opentelemetry-api filelock diskcache gguf; do
+  "$py" -m pip download -q "${links[@]}" --no-deps "${plat[@]}" -d "$out/whl" "$(pinned "$p")"
 done
-for p in fla-core==0.6.0 einops==0.8.1; do
-  python3 -m pip download -q --no-deps "${plat[@]}" -d "$out/whl" "$p"
+for spec in fla-core==0.6.0 einops==0.8.1 "$CUBLAS"; do
+  "$py" -m pip download -q "${links[@]}" --no-deps "${plat[@]}" -d "$out/whl" "$spec"
 done
+"$py" - "$out" "$arch" "$pyver" "$built" <<'EOF'
+import json, pathlib, sys
+out, arch, pyver, built = sys.argv[1:]
+wheels = sorted(p.name for p in (pathlib.Path(out) / "whl").glob("*.whl"))
+(pathlib.Path(out) / "BUILD.json").write_text(json.dumps(
+    {"cuda_arch": arch, "python": pyver, "llama_cpp": built, "wheels": wheels}, indent=1) + "\n")
+EOF
 du -sh "$out"

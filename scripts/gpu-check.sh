@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# The GPU check, for a lent GPU machine that reaches no package registry (15 minutes, start-up included).
-#   bash scripts/gpu-check.sh BUNDLE [--deadline S] [--rows a,b] [--report FILE]
-#       installs BUNDLE (scripts/gpu-bundle.sh made it here: llama-cpp-python built for CUDA, the wheels the
-#       GPU image lacks, this project's wheel) into a site folder, then runs scripts/gpu_check.py: one JSON
-#       report, rows in priority order, each written as soon as measured, the rest `skipped` at the deadline
-#       (default 480 s). Exit 1 when a row failed.
+# The GPU check, for a GPU host that reaches no package index (docs/gpu.md).
+#   bash scripts/gpu-check.sh BUNDLE [--deadline S] [--kernels-s S] [--rows a,b] [--report FILE]
+#       installs BUNDLE (scripts/gpu-bundle.sh made it: llama-cpp-python built for CUDA, the wheels the
+#       host may lack, this project's wheel) into a site folder with no index, then runs
+#       scripts/gpu_check.py: one JSON report, rows in priority order, each measurement written as taken,
+#       a row that does not fit the time left `skipped`, one the deadline reaches `cut` with what it
+#       measured (default 480 s for every row but kernels, then --kernels-s). Exit 1 when a row failed.
 #   bash scripts/gpu-check.sh --dry-run [--report FILE]
 #       every row's code on this CPU at the tiny shapes, with the installed package (the test suite runs it).
 #   bash scripts/gpu-check.sh --install-only BUNDLE
 #       only the install step; prints the site folder (tests check it against a local bundle).
-# The report goes to $OUT/gpu-check-report.json where the device tool gives an $OUT, else the current folder.
+# The report goes to $OUT/gpu-check-report.json where $OUT is set, else to the current folder.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 report="${OUT:-$PWD}/gpu-check-report.json"
@@ -20,16 +21,16 @@ if [ "${1:-}" != "--dry-run" ] && [ $# -ge 1 ] && [ -d "$1" ]; then
   bundle="$(cd "$1" && pwd)"; shift
   site="${CLEF_GPU_SITE:-/tmp/clef-gguf-site}"
   mkdir -p "$site"
-  # No index, no dependencies: what the bundle holds, beside what the GPU image has (torch, numpy...).
+  # No index, no dependencies: what the bundle holds, beside what the host has (torch, numpy...).
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
     "$bundle"/whl/*.whl
-  if [ -f "$bundle/llama_cpp_cuda.tar.xz" ]; then tar xJf "$bundle/llama_cpp_cuda.tar.xz" -C "$site"; fi
   export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
-  # cuBLAS and the CUDA runtime come from the image's torch wheel (nvidia/cu13/lib)
-  cuda_libs="$(python3 -c 'import glob,site
-print(":".join(sorted({p.rsplit("/",1)[0] for s in site.getsitepackages() for p in glob.glob(s+"/nvidia/cu*/lib/libcublas.so.*")})))' || true)"
+  # cuBLAS from the bundle's nvidia-cublas, the CUDA runtime from the host's torch wheel (nvidia/cu*/lib)
+  cuda_libs="$(python3 -c 'import glob,site,sys
+roots = [sys.argv[1], *site.getsitepackages()]
+print(":".join(sorted({p.rsplit("/",1)[0] for s in roots for p in glob.glob(s+"/nvidia/*/lib/lib*.so.*")})))' "$site" || true)"
   export LD_LIBRARY_PATH="${cuda_libs:+$cuda_libs:}/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-  if [ -f "$bundle/VARIANT" ]; then export CLEF_GPU_VARIANT="$(cat "$bundle/VARIANT")"; fi
+  if [ -f "$bundle/BUILD.json" ]; then export CLEF_GPU_BUNDLE="$bundle/BUILD.json"; fi
   if [ "$install_only" = 1 ]; then echo "$site"; exit 0; fi
 elif [ "${1:-}" = "--dry-run" ]; then
   args+=(--dry-run); shift

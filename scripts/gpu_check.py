@@ -1,33 +1,46 @@
-"""The GPU check: one JSON report of every row of ``gpu_rows.ROWS``, in priority order, within a deadline.
+"""The GPU check: one JSON report of the rows of ``gpu_rows.ROWS``, in priority order, within a deadline.
 
-    python scripts/gpu_check.py --report REPORT.json [--deadline 480] [--dry-run] [--rows a,b] [--variant NAME]
+    python scripts/gpu_check.py --report REPORT.json [--deadline 480] [--kernels-s 180] [--dry-run] [--rows a,b]
 
-Each row runs in a process of its own (``--row NAME``: a crash or a hang is that row's, and the deadline
-can stop it), its result written into the report as soon as it is measured. A row that cannot start, or
-finish, before the deadline is ``skipped``, which is not a failure; the exit status is 1 when a row
-``failed``. ``--dry-run`` runs every row's code on the CPU at the tiny shapes (the test suite does), so
-a GPU run is never spent on a typo. ``scripts/gpu-check.sh BUNDLE`` installs the offline bundle and runs
-this from a directory that holds no ``clef_gguf/`` source folder.
+Each row runs in a process group of its own (``--row NAME``: a crash or a hang is that row's, and the
+deadline ends it with every process it started). A row prints each measurement as it takes it; the
+report is rewritten at once, so a row cut off by the deadline keeps what it measured (status ``cut``).
+A row whose declared cost (planned seconds on a 16-core GPU host) does not fit in the time left is
+``skipped`` before it starts. ``--deadline`` bounds every row but ``kernels``, which runs last within
+its own ``--kernels-s`` (``clef-gguf tune`` on the GPU). Neither ``skipped`` nor ``cut`` is a failure;
+the exit status is 1 when a row ``failed``. ``--dry-run`` runs every row's code on the CPU at the tiny
+shapes (the test suite does), with no cost check. ``scripts/gpu-check.sh BUNDLE`` installs the offline
+bundle and runs this from a directory that holds no ``clef_gguf/`` source folder.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
+import selectors
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_rows  # noqa: E402 - beside this script, not a package
 
-SCHEMA = "clef-gguf-gpu-check/1"
-STATUSES = ("passed", "failed", "measured", "skipped")
-DEFAULT_DEADLINE_S = 480  # 8 minutes of a 15-minute lease, start-up and a rerun's margin aside
+SCHEMA = "clef-gguf-gpu-check/2"
+STATUSES = ("passed", "failed", "measured", "skipped", "cut")
+DEFAULT_DEADLINE_S = 480  # 8 minutes of a 15-minute lease for every row but kernels
+KILL_GRACE_S = 5.0  # SIGTERM to SIGKILL of a row's process group
+# The check is offline by design: no hub, no telemetry, whatever the caller's environment says.
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+               "HF_HUB_DISABLE_TELEMETRY": "1", "DO_NOT_TRACK": "1"}
+Clock = Callable[[], float]
 
 
 def write(path: Path, report: dict) -> None:
@@ -37,65 +50,178 @@ def write(path: Path, report: dict) -> None:
     os.replace(tmp, path)
 
 
-def run_row(name: str, work: Path, dry: bool, left: float) -> dict:
-    """One row in a child process, stopped at ``left`` seconds; its dict, or why it has none."""
+@dataclass(frozen=True)
+class Step:
+    """What the plan does with one row: run it within ``budget`` seconds, or skip it and why."""
+
+    name: str
+    run: bool
+    budget: float
+    reason: str = ""
+
+
+def plan_row(row: gpu_rows.Row, left: float, dry: bool) -> Step:
+    """Run ``row`` with ``left`` seconds to go, or skip it: its cost must fit (the dry run: any time left)."""
+    need = 1.0 if dry else row.cost_s
+    if left < need:
+        return Step(row.name, False, 0.0, f"{left:.0f} s left before the deadline, the row plans {need:.0f} s")
+    return Step(row.name, True, left)
+
+
+def rows_module(path: str | None) -> Any:
+    """``gpu_rows``, or the module at ``path`` (the tests' rows: the same protocol, seconds long)."""
+    if not path:
+        return gpu_rows
+    spec = importlib.util.spec_from_file_location("gpu_rows_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def _end_group(proc: subprocess.Popen) -> None:
+    """Ends the row's whole process group (its server, probe, quantizer...): TERM, a grace, then KILL."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break  # nothing left in the group
+        if sig == signal.SIGTERM:
+            try:
+                proc.wait(KILL_GRACE_S)
+            except subprocess.TimeoutExpired:
+                pass
+    proc.wait()
+
+
+def run_row(name: str, work: Path, dry: bool, left: float, entry: dict, save: Callable[[], None],
+            rows_from: str | None = None, clock: Clock = time.monotonic) -> dict:
+    """One row in a process group of its own, ended at ``left`` seconds; each measurement it prints
+    goes into ``entry["measured"]`` and ``save()`` at once. Its result, or why it has none."""
     cmd = [sys.executable, __file__, "--row", name, "--work", str(work)] + (["--dry-run"] if dry else [])
+    cmd += ["--rows-from", rows_from] if rows_from else []
+    err = tempfile.TemporaryFile(mode="w+")
+    # HF_HOME in the run's folder: pick's speed table and tune's winners for the random models stay there
+    env = {**os.environ, **OFFLINE_ENV, "HF_HOME": str(work / "hf")}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, errors="replace",
+                            start_new_session=True, env=env)
+    end = clock() + left
+    final: dict | None = None
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    cut = False
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=max(1.0, left))
-    except subprocess.TimeoutExpired:
-        return {"status": "skipped", "reason": f"the deadline came {left:.0f} s into the row"}
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        return {"status": "failed", "reason": f"exit {proc.returncode}: {proc.stderr.strip()[-1500:]}"}
-    row = json.loads(lines[-1])
-    if row.get("status") not in STATUSES:
-        return {"status": "failed", "reason": f"no status in {row!r}"[:500]}
-    return row
+        while True:
+            remaining = end - clock()
+            if remaining <= 0:
+                cut = True
+                break
+            if not sel.select(timeout=min(remaining, 1.0)):
+                continue
+            line = proc.stdout.readline()
+            if not line:
+                break
+            try:
+                msg = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a library's print on stdout
+            if isinstance(msg, dict) and gpu_rows.MEASURE in msg:
+                entry.setdefault("measured", {})[msg[gpu_rows.MEASURE]] = msg.get("value")
+                save()
+            elif isinstance(msg, dict) and "status" in msg:
+                final = msg
+    finally:
+        sel.close()
+        if not cut:  # the row's last line is out: let it exit by itself before its group is ended
+            try:
+                proc.wait(max(0.0, min(end - clock(), 30.0)))
+            except subprocess.TimeoutExpired:
+                pass
+        _end_group(proc)
+        proc.stdout.close()
+    err.seek(0)
+    stderr = err.read().strip()
+    err.close()
+    if cut:
+        return {"status": "cut", "reason": f"the deadline came {left:.0f} s into the row; what it measured "
+                "before is under measured"}
+    if proc.returncode not in (0, -signal.SIGTERM, -signal.SIGKILL) or final is None:
+        return {"status": "failed", "reason": f"exit {proc.returncode}: {stderr[-1500:]}"}
+    if final.get("status") not in STATUSES:
+        return {"status": "failed", "reason": f"no status in {final!r}"[:500]}
+    return final
 
 
-def main(argv: list[str] | None = None) -> int:
+def child(module: Any, name: str, work: Path, dry: bool) -> int:
+    """The ``--row`` process: the row's final dict as the last line of stdout."""
+    fn = {row.name: row.fn for row in module.ROWS}[name]
+    print(json.dumps(fn(work, dry)), flush=True)
+    return 0
+
+
+def _bundle() -> dict | None:
+    """What the installed bundle says of itself (gpu-bundle.sh's BUILD.json), where gpu-check.sh names one."""
+    path = os.environ.get("CLEF_GPU_BUNDLE")
+    return json.loads(Path(path).read_text(encoding="utf-8")) if path and Path(path).is_file() else None
+
+
+def main(argv: list[str] | None = None, clock: Clock = time.monotonic, runner: Callable[..., dict] = run_row) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--report", type=Path, help="the JSON report to write (default: gpu-check-report.json)")
-    p.add_argument("--deadline", type=float, default=DEFAULT_DEADLINE_S, help="seconds for all the rows")
+    p.add_argument("--deadline", type=float, default=DEFAULT_DEADLINE_S,
+                   help=f"seconds for every row but kernels (default {DEFAULT_DEADLINE_S})")
+    p.add_argument("--kernels-s", type=float, default=None,
+                   help="seconds for the kernels row, after the others (default: its planned cost)")
     p.add_argument("--dry-run", action="store_true", help="every row on the CPU at the tiny shapes")
     p.add_argument("--rows", help="only these rows, comma-separated (default: all, in priority order)")
-    p.add_argument("--variant", default=os.environ.get("CLEF_GPU_VARIANT", "default"),
-                   help="the llama.cpp build variant this bundle is (flash attention on, FORCE_CUBLAS...)")
     p.add_argument("--row", help=argparse.SUPPRESS)  # the child: run one row, print its JSON
     p.add_argument("--work", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--rows-from", help=argparse.SUPPRESS)  # the tests' rows module
     args = p.parse_args(argv)
-    names = [name for name, _, _ in gpu_rows.ROWS]
+    module = rows_module(args.rows_from)
     if args.row:
-        fn = dict((n, f) for n, f, _ in gpu_rows.ROWS)[args.row]
-        print(json.dumps(fn(args.work, args.dry_run)))
-        return 0
-    wanted = names if not args.rows else [r.strip() for r in args.rows.split(",")]
-    unknown = sorted(set(wanted) - set(names))
+        return child(module, args.row, args.work, args.dry_run)
+    rows = {row.name: row for row in module.ROWS}
+    wanted = list(rows) if not args.rows else [r.strip() for r in args.rows.split(",")]
+    unknown = sorted(set(wanted) - set(rows))
     if unknown:
-        p.error(f"unknown rows {unknown}: choose from {', '.join(names)}")
-    start = time.monotonic()
+        p.error(f"unknown rows {unknown}: choose from {', '.join(rows)}")
+    wanted = [name for name in rows if name in wanted]  # always in priority order
+    os.environ.update(OFFLINE_ENV)
+    start = clock()
     report_path = args.report or Path("gpu-check-report.json")
     now = datetime.datetime.now(datetime.timezone.utc)
     report: dict = {"schema": SCHEMA, "started": now.isoformat(timespec="seconds"),
-                    "deadline_s": args.deadline, "dry_run": args.dry_run, "variant": args.variant,
+                    "deadline_s": args.deadline, "dry_run": args.dry_run, "offline_env": OFFLINE_ENV,
+                    "planned_s": {n: rows[n].cost_s for n in wanted}, "bundle": _bundle(),
                     "rows": [{"name": n, "priority": i + 1, "status": "pending"} for i, n in enumerate(wanted)],
                     "finished": False}
     write(report_path, report)
     with tempfile.TemporaryDirectory(prefix="clef-gpu-check-", dir=os.environ.get("CLEF_GPU_WORK")) as work:
+        kernels_start = None
         for entry in report["rows"]:
-            estimate = next(e for n, _, e in gpu_rows.ROWS if n == entry["name"])
-            left = args.deadline - (time.monotonic() - start)
-            t0 = time.monotonic()
-            if left < (1 if args.dry_run else min(estimate, 60)):  # no time to start it
-                row = {"status": "skipped", "reason": f"{left:.0f} s left before the deadline"}
+            row = rows[entry["name"]]
+            if row.after_deadline:  # its own budget, from when the others are done
+                kernels_start = kernels_start if kernels_start is not None else clock()
+                own = args.kernels_s if args.kernels_s is not None else row.cost_s
+                left = own - (clock() - kernels_start)
             else:
-                row = run_row(entry["name"], Path(work), args.dry_run, left)
-            entry.update(row, seconds=round(time.monotonic() - t0, 1))
+                left = args.deadline - (clock() - start)
+            step = plan_row(row, left, args.dry_run)
+            t0 = clock()
+            if not step.run:
+                result = {"status": "skipped", "reason": step.reason}
+            else:
+                entry["status"] = "running"
+                write(report_path, report)
+                result = runner(row.name, Path(work), args.dry_run, step.budget, entry,
+                                lambda: write(report_path, report), args.rows_from, clock)
+            entry.update(result, seconds=round(clock() - t0, 1))
             write(report_path, report)
             print(f"{entry['name']}: {entry['status']} ({entry['seconds']} s)", file=sys.stderr, flush=True)
     report["finished"] = True
     report["failed"] = [r["name"] for r in report["rows"] if r["status"] == "failed"]
-    report["seconds"] = round(time.monotonic() - start, 1)
+    report["seconds"] = round(clock() - start, 1)
     write(report_path, report)
     return 1 if report["failed"] else 0
 

@@ -1,14 +1,20 @@
 """The GPU check scripts run here too. ``gpu-check.sh --dry-run`` runs every row's code path on the CPU
-(the report's schema, the deadline, the priority order); its install step is checked against a local
-bundle; ``gpu_check_nvfp4.py`` asserts what is true of this machine (a CUDA device or not: both branches
-assert, neither is skipped)."""
+(the report's schema, the priority order); the plan and the deadline are checked with a fake clock and
+with rows of a few seconds (a row cut off keeps its measurements and leaves no process behind); the
+bundle is made with a prebuilt llama.cpp wheel from a local wheel folder and installed with no index;
+``gpu_check_nvfp4.py`` asserts what is true of this machine (a CUDA device or not: both branches assert,
+neither is skipped)."""
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
-import tarfile
+import time
+import zipfile
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,44 +65,170 @@ def test_nvfp4_gpu_check_reports_what_this_machine_has():
     assert_nvfp4_check(proc.stdout, proc.returncode, cuda, proc.stderr)
 
 
-ROWS = ["preflight", "parity", "latency", "kernels", "throughput", "pick", "nvfp4"]
+ROWS = ["preflight", "parity", "latency", "throughput", "pick", "nvfp4", "kernels"]
 
 
-def _check(*argv: str, tmp_path: Path, timeout: float = 600, **env: str) -> tuple[subprocess.CompletedProcess, dict]:
+def _module(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+gpu_check = _module("gpu_check")
+
+
+def _check(*argv: str, tmp_path: Path, timeout: float = 1200, **env: str) -> tuple[subprocess.CompletedProcess, dict]:
     report = tmp_path / "report.json"
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu-check.sh"), *argv, "--report", str(report)],
                           capture_output=True, text=True, timeout=timeout, env={**os.environ, **env})
     return proc, json.loads(report.read_text())
 
 
+@pytest.mark.slow
 def test_the_dry_run_runs_every_row_on_the_cpu_into_one_report(tmp_path):
     proc, report = _check("--dry-run", tmp_path=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert report["schema"] == "clef-gguf-gpu-check/1" and report["dry_run"] and report["finished"]
+    assert report["schema"] == "clef-gguf-gpu-check/2" and report["dry_run"] and report["finished"]
     assert [r["name"] for r in report["rows"]] == ROWS and [r["priority"] for r in report["rows"]] == list(range(1, 8))
+    assert report["offline_env"]["HF_HUB_OFFLINE"] == "1" and set(report["planned_s"]) == set(ROWS)
     rows = {r["name"]: r for r in report["rows"]}
     assert {r["status"] for r in rows.values()} <= {"passed", "measured"}, rows
-    assert rows["parity"]["max_abs_dp"] == 0.0 and rows["parity"]["placed"] == {"gpu_layers": 0, "head_device": "cpu"}
-    assert rows["parity"]["packed_vs_one_max_abs_dp"] == 0.0  # the CPU's packing is byte-identical
+    assert rows["preflight"]["offline"]["HF_HUB_OFFLINE"] == "1"
+    parity = rows["parity"]
+    assert parity["max_abs_dp"] == 0.0 and parity["head_on_cpu"]["argmax_agrees"] and parity["within_goal"]
+    assert parity["packed_vs_one"]["max_abs_dp"] == 0.0  # the CPU's packing is byte-identical
     first = rows["latency"]["by_tokens"]["64"]
     assert first["head_ms"]["median"] > 0 and first["tower_ms"]["min"] <= first["tower_ms"]["median"]
-    assert {(k["weights"], k["attention"], k["n_batch"]) for k in rows["kernels"]["rows"]} >= {
-        ("Q4_K_M", "default", 512), ("bf16", "flash-off", 512), ("f16", "default", 2048)}
+    assert rows["latency"]["measured"]["model_write_s"] >= 0  # measurements stream in as they are taken
     assert set(rows["throughput"]["decide_many_per_s"]) == {"1", "4", "16"}
-    assert [lv["concurrency"] for lv in rows["throughput"]["serve"]["levels"]] == [1, 4]
-    assert rows["pick"]["ratio"] > 0 and rows["nvfp4"]["pytorch_fp32_gpu_vs_cpu_max_abs_dp"] == 0.0
-    assert set(rows["nvfp4"]["total_ms"]) == {"nvfp4-gguf", "Q4_K_M", "pytorch-nvfp4a16"}
-    assert set(rows["nvfp4"]["pytorch_decisions_per_s"]) == {"pack_1", "packed"}
-    bf16 = rows["nvfp4"]["pytorch_bf16_vs_reference_bf16"]
+    served = rows["throughput"]["serve"]
+    assert [lv["concurrency"] for lv in served["levels"]] == [1, 4] and served["input_tokens"] >= 100
+    assert all(lv["failed"] == 0 for lv in served["levels"]) and rows["throughput"]["tolerance"] == 0.0
+    assert rows["pick"]["ratio"] > 0
+    nv = rows["nvfp4"]
+    assert nv["pytorch_fp32_gpu_vs_cpu_max_abs_dp"] == 0.0 and set(nv["total_ms"]) == {
+        "nvfp4-gguf", "Q4_K_M", "pytorch-nvfp4a16"}
+    assert set(nv["max_abs_dp_vs_pytorch"]) == {"nvfp4-gguf", "Q4_K_M"}
+    assert all(0 <= v < 1 for v in nv["max_abs_dp_vs_pytorch"].values())
+    assert set(nv["pytorch_decisions_per_s"]) == {"pack_1", "packed"}
+    bf16 = nv["pytorch_bf16_vs_reference_bf16"]
     assert 0 <= bf16["max_abs_dp"] <= 1e-2 and 0 <= bf16["hidden_max_rel"] < 2e-2, bf16
+    tune = rows["kernels"]["tune"]  # clef-gguf tune's JSON, as it printed it
+    assert tune["device"] == "cpu" and tune["trials"] and isinstance(tune["chosen"], dict)
 
 
-def test_rows_the_deadline_leaves_no_time_for_are_skipped_not_failed(tmp_path):
-    proc, report = _check("--dry-run", "--deadline", "7", tmp_path=tmp_path)
-    statuses = [r["status"] for r in report["rows"]]
-    assert proc.returncode == 0 and report["finished"] and report["failed"] == []
-    assert statuses[0] == "passed" and statuses[-1] == "skipped" and "pending" not in statuses
-    assert all("deadline" in r["reason"] for r in report["rows"] if r["status"] == "skipped")
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_plan_skips_a_row_whose_cost_does_not_fit_the_time_left(tmp_path):
+    """A fake clock and rows that take what they are told: throughput runs long, so nvfp4's 150 s no
+    longer fit in the 480 s and it is skipped before it starts; kernels runs after, on its own budget."""
+    clock = _Clock()
+    took = {"preflight": 15, "parity": 30, "latency": 75, "throughput": 250, "pick": 60, "kernels": 100}
+    budgets = {}
+
+    def runner(name, work, dry, left, entry, save, rows_from, clk):
+        budgets[name] = left
+        clock.now += took[name]
+        return {"status": "measured"}
+
+    report = tmp_path / "r.json"
+    assert gpu_check.main(["--report", str(report)], clock=clock, runner=runner) == 0
+    data = json.loads(report.read_text())
+    status = {r["name"]: r["status"] for r in data["rows"]}
+    assert status == {**{n: "measured" for n in ROWS}, "nvfp4": "skipped"}
+    nvfp4 = next(r for r in data["rows"] if r["name"] == "nvfp4")
+    assert "50 s left" in nvfp4["reason"] and "plans 150 s" in nvfp4["reason"]
+    assert budgets["preflight"] == 480 and budgets["pick"] == 110 and budgets["kernels"] == 180
+    assert data["finished"] and data["failed"] == [] and data["seconds"] == sum(took.values())
+    assert gpu_check.plan_row(gpu_check.gpu_rows.ROWS[0], 0.5, dry=True).run is False
+    assert gpu_check.plan_row(gpu_check.gpu_rows.ROWS[-1], 2.0, dry=True).run is True  # no costs in a dry run
+
+
+SLOW_ROWS = '''
+import os, subprocess, sys, time
+from gpu_rows import Row, record
+
+def quick(work, dry):
+    return {"status": "passed", "value": record("value", 1)}
+
+def stuck(work, dry):
+    record("first", 1)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    open(os.environ["GRANDCHILD_PID"], "w").write(str(child.pid))
+    record("second", 2)
+    time.sleep(300)
+    return {"status": "measured"}
+
+ROWS = (Row("quick", quick, 1), Row("stuck", stuck, 1))
+'''
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+    return "\nState:\tZ" in state  # ended, waiting for its parent to read its status
+
+
+def test_a_row_cut_off_keeps_what_it_measured_and_leaves_no_process(tmp_path):
+    rows = tmp_path / "rows.py"
+    rows.write_text(SLOW_ROWS)
+    report = tmp_path / "r.json"
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--dry-run", "--deadline", "40",
+                             "--rows-from", str(rows), "--report", str(report)],
+                            env={**os.environ, "CLEF_GPU_WORK": str(work), "GRANDCHILD_PID": str(tmp_path / "pid")},
+                            stderr=subprocess.PIPE, text=True)
+    seen_running = None
+    until = time.monotonic() + 40
+    while time.monotonic() < until:  # the measurements are in the report while the row still runs
+        time.sleep(0.1)
+        data = json.loads(report.read_text()) if report.is_file() else {"rows": []}
+        stuck = next((r for r in data["rows"] if r["name"] == "stuck"), {})
+        if stuck.get("status") == "running" and stuck.get("measured", {}).get("second") == 2:
+            seen_running = stuck
+            break
+    assert seen_running is not None, data
+    assert proc.wait(60) == 0, proc.stderr.read()
+    data = json.loads(report.read_text())
+    quick, stuck = data["rows"]
+    assert quick["status"] == "passed" and quick["measured"] == {"value": 1}
+    assert stuck["status"] == "cut" and stuck["measured"] == {"first": 1, "second": 2}, stuck
+    assert "deadline" in stuck["reason"] and data["failed"] == [] and data["finished"]
+    assert _gone(int((tmp_path / "pid").read_text())), "the row's own child outlived the deadline"
+    assert list(work.iterdir()) == []  # the run's folder went with it
+
+
+def test_a_row_that_fails_is_reported_so_and_fails_the_check(tmp_path):
+    entry: dict = {}
+    crashed = gpu_check.run_row("no-such-row", tmp_path, True, 120, entry, lambda: None)  # the child raises
+    assert crashed["status"] == "failed" and "KeyError" in crashed["reason"]
+
+    def runner(name, work, dry, left, entry, save, rows_from, clock):
+        return {"status": "failed", "reason": "GPU and CPU disagree"} if name == "parity" else {"status": "passed"}
+
+    report = tmp_path / "r.json"
+    assert gpu_check.main(["--dry-run", "--rows", "pick,preflight,parity", "--report", str(report)], runner=runner) == 1
+    data = json.loads(report.read_text())
+    assert data["failed"] == ["parity"]
+    assert [(r["name"], r["status"]) for r in data["rows"]] == [  # priority order, whatever --rows said
+        ("preflight", "passed"), ("parity", "failed"), ("pick", "passed")]
+
+
+def test_an_unknown_row_is_refused_by_name(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        gpu_check.main(["--dry-run", "--rows", "latency,warp", "--report", str(tmp_path / "r.json")])
+    assert exc.value.code == 2 and "warp" in capsys.readouterr().err
 
 
 def test_a_relative_report_path_is_the_callers_folders(tmp_path):
@@ -109,44 +241,66 @@ def test_a_relative_report_path_is_the_callers_folders(tmp_path):
         assert json.loads((tmp_path / name).read_text())["rows"][0]["name"] == "preflight"
 
 
-def test_a_row_that_fails_is_reported_so_and_fails_the_check(tmp_path, monkeypatch):
-    import importlib.util
+def _wheel(folder: Path, name: str, version: str, files: dict[str, str] | None = None,
+           tag: str = "py3-none-any") -> Path:
+    """A minimal wheel of ``name`` holding ``files`` (a stand-in for one from PyPI)."""
+    dist = f"{name.replace('-', '_')}-{version}"
+    path = folder / f"{dist}-{tag}.whl"
+    info = {f"{dist}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+            f"{dist}.dist-info/WHEEL": f"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: {tag}\n"}
+    entries = {**(files or {}), **info}
+    record = "".join(f"{n},,\n" for n in entries) + f"{dist}.dist-info/RECORD,,\n"
+    with zipfile.ZipFile(path, "w") as z:
+        for n, text in entries.items():
+            z.writestr(n, text)
+        z.writestr(f"{dist}.dist-info/RECORD", record)
+    return path
 
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
-    gpu_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_check)
-    crashed = gpu_check.run_row("no-such-row", tmp_path, True, 60)  # the child raises: a failure with its words
-    assert crashed["status"] == "failed" and "KeyError" in crashed["reason"]
-    monkeypatch.setattr(gpu_check, "run_row", lambda name, work, dry, left:
-                        {"status": "failed", "reason": "GPU and CPU disagree"} if name == "parity" else
-                        {"status": "passed"})
-    report = tmp_path / "r.json"
-    assert gpu_check.main(["--dry-run", "--rows", "preflight,parity,pick", "--report", str(report)]) == 1
-    data = json.loads(report.read_text())
-    assert data["failed"] == ["parity"] and [r["status"] for r in data["rows"]] == ["passed", "failed", "passed"]
+
+def _pins() -> list[tuple[str, str]]:
+    names = ("fastapi starlette uvicorn h11 anyio sniffio click prometheus-client httpx httpcore certifi idna "
+             "annotated-doc opentelemetry-api filelock diskcache gguf").split()
+    text = (ROOT / "requirements" / "test.txt").read_text().lower()
+    pins = [(n, next(line.split("==")[1] for line in text.splitlines() if line.startswith(f"{n}=="))) for n in names]
+    return pins + [("fla-core", "0.6.0"), ("einops", "0.8.1"), ("nvidia-cublas", "13.0.0.19")]
 
 
-def test_the_install_step_takes_the_bundle_and_nothing_from_an_index(tmp_path):
-    """A local bundle shaped like ../shared/gpu-bundle: wheels (this project's among them) and the llama.cpp
-    tarball; installed into a site folder with --no-index, importable from there."""
+def test_the_bundle_is_built_from_a_prebuilt_llama_wheel_and_installs_with_no_index(tmp_path):
+    """gpu-bundle.sh with --llama-wheel (a stand-in for the CUDA build) and --find-links (a local wheel
+    folder for PyPI), then gpu-check.sh's install step with no index: the project and the llama wheel
+    import from the site folder."""
+    links = tmp_path / "links"
+    links.mkdir()
+    for name, version in _pins():
+        _wheel(links, name, version)
+    llama = _wheel(tmp_path, "llama-cpp-python", "0.3.36", {"llama_stub/__init__.py": "BUILT_FOR = 'sm_90'\n"},
+                   tag="py3-none-linux_x86_64")
     bundle = tmp_path / "bundle"
-    (bundle / "whl").mkdir(parents=True)
-    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                            "-w", str(bundle / "whl"), str(ROOT)], capture_output=True, text=True, timeout=300)
-    assert built.returncode == 0, built.stderr
-    marker = tmp_path / "llama_stub"
-    marker.mkdir()
-    (marker / "__init__.py").write_text("BUILT_FOR = 'sm_90'\n")
-    with tarfile.open(bundle / "llama_cpp_cuda.tar.xz", "w:xz") as tar:
-        tar.add(marker, arcname="llama_stub")
-    (bundle / "VARIANT").write_text("flash-attention-on\n")
+    offline = {**os.environ, "PIP_INDEX_URL": "http://127.0.0.1:9/none", "PIP_RETRIES": "0", "PYTHON": sys.executable}
+    made = subprocess.run(["bash", str(ROOT / "scripts" / "gpu-bundle.sh"), str(bundle), "--llama-wheel", str(llama),
+                           "--find-links", str(links)], capture_output=True, text=True, timeout=600, env=offline)
+    assert made.returncode == 0, made.stderr
+    build = json.loads((bundle / "BUILD.json").read_text())
+    assert build["llama_cpp"] == f"prebuilt: {llama.name}" and build["python"] == "3.12"
+    assert llama.name in build["wheels"] and any(w.startswith("clef_gguf-") for w in build["wheels"])
+    assert any(w.startswith("diskcache-") for w in build["wheels"]) and len(build["wheels"]) == len(_pins()) + 2
     site = tmp_path / "site"
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu-check.sh"), "--install-only", str(bundle)],
-                          capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "CLEF_GPU_SITE": str(site), "PIP_INDEX_URL": "http://127.0.0.1:9/none"})
+                          capture_output=True, text=True, timeout=300, env={**offline, "CLEF_GPU_SITE": str(site)})
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == str(site)
     assert (site / "clef_gguf" / "heads" / "joint.py").is_file() and (site / "llama_stub" / "__init__.py").is_file()
     found = subprocess.run([sys.executable, "-c", "import clef_gguf.pick.speed, llama_stub; print(clef_gguf.__file__)"],
                            capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(site)})
     assert found.stdout.strip().startswith(str(site)), found.stderr
+
+
+@pytest.mark.parametrize("argv, said", [(["--cuda-arch", "sm90"], "not a CUDA architecture"),
+                                         (["--python-version", "3"], "is not X.Y"),
+                                         (["--llama-wheel", "/nonexistent.whl"], "no file"),
+                                         (["--frobnicate"], "unknown option --frobnicate")])
+def test_the_bundle_refuses_nonsense_before_building(tmp_path, argv, said):
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu-bundle.sh"), str(tmp_path / "b"), *argv],
+                          capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHON": sys.executable})
+    assert proc.returncode == 2 and said in proc.stderr, proc.stderr
+    assert not list((tmp_path / "b").glob("whl/*"))

@@ -73,6 +73,14 @@ def fraction(text: str) -> float:
     return value
 
 
+def probability_gap(text: str) -> float:
+    """A largest |difference| of two probabilities, 0 to 1 (0: the same bytes)."""
+    value = _number(text, float, "a probability difference")
+    if not 0.0 <= value <= 1.0:  # also refuses nan
+        raise _refuse(f"must lie between 0 and 1 (got {text})")
+    return value
+
+
 def head_device(text: str) -> str:
     """``auto``, ``cpu``, ``cuda`` or ``cuda:N``."""
     value = text.strip().lower()
