@@ -111,10 +111,11 @@ def test_a_state_over_the_window_cut_on_request(clef, tiny_model_dir):
             assert long_state[span["start"]:span["end"]] == span["text"]
 
 
-def test_pictures_get_their_share_and_grid(clef):
+def test_pictures_get_their_share_and_grid_and_occlusion_keeps_them(clef):
     body = request("Two pictures of the parcel.", images=[png_uri(32, 32, 1), png_uri(48, 16, 2)])
     plain = clef.decide(body)
-    out = clef.decide({**body, "evidence": {"grid": True}})
+    out = clef.decide({**body, "evidence": {"grid": True, "mode": "occlusion", "top": 1}})
+    assert out["evidence"]["reruns"] >= 1
     assert json.dumps(out["answers"]) == json.dumps(plain["answers"])
     for block in out["evidence"]["questions"].values():
         assert set(block["shares"]) == {"state", "pictures", "instructions", "options", "template"}
@@ -126,6 +127,12 @@ def test_pictures_get_their_share_and_grid(clef):
         assert sum(p["share"] for p in pictures) <= block["shares"]["pictures"] + 1e-3
         for span in block["spans"]:
             assert "Two pictures of the parcel."[span["start"]:span["end"]] == span["text"]
+    block = out["evidence"]["questions"]["urgent"]  # the re-run keeps the pictures: it equals a decision by hand
+    (span,) = block["spans"]
+    k = ["true", "false"].index(block["option"])
+    before = clef.probabilities(body)[0][k]
+    after = clef.probabilities({**body, "state": body["state"][:span["start"]] + body["state"][span["end"]:]})[0][k]
+    assert span["delta_p"] == round(float(after) - float(before), 4)
 
 
 def test_occlusion_reruns_equal_decisions_without_each_span(clef):
