@@ -19,6 +19,7 @@ from clef_gguf.pipeline.encode import Encoded, Encoder, Prepared
 from clef_gguf.pipeline.mediaprompt import positions
 from clef_gguf.pipeline.lexical import RowStore
 from clef_gguf.runtime import stages
+from clef_gguf.tower.cache import StateCache
 from clef_gguf.tower.protocol import LanguageTower
 
 
@@ -71,7 +72,12 @@ def occlude(model: Model, prepared: Prepared, probs: list[np.ndarray], chosen: l
     and write each span's ``delta_p`` (the chosen option's probability after minus before) and, when
     the answer changes, ``top_option``. Returns the number of re-runs."""
     ranges = sorted({(s["start"], s["end"]) for block in questions.values() for s in _all_spans(block)})
-    after = {r: rerun(model, prepared, text[:r[0]] + text[r[1]:]) for r in ranges}
+    encoded = {r: occluded(model, prepared, text[:r[0]] + text[r[1]:]) for r in ranges}
+    shared = _shared_state(prepared.encoded, list(encoded.values()))
+    # The state tokens every re-run shares (those before the first span) are decoded once and restored
+    # after, from a cache of the re-runs' own: each re-run then decodes only what follows them.
+    cache = StateCache()
+    after = {r: rerun(model, enc, shared, cache) for r, enc in encoded.items()}
     for q, (qid, block) in enumerate(questions.items()):
         order = prepared.request.questions[q].report_order
         ids = [o.id for o in prepared.request.questions[q].options]
@@ -97,9 +103,8 @@ def _spans_with_option(block: dict[str, Any], ids: list[str], chosen: int) -> li
     return out
 
 
-def rerun(model: Model, prepared: Prepared, state: str) -> list[np.ndarray]:
-    """The probabilities per question with ``state`` (text) as the state, the rest of the prompt and
-    the pictures as they were. Not cached: an occluded state is asked for once."""
+def occluded(model: Model, prepared: Prepared, state: str) -> Encoded:
+    """``prepared``'s prompt with ``state`` (text) as the state, the rest and the pictures as they were."""
     enc = prepared.encoded
     request = dataclasses.replace(prepared.request, state=state, evidence=None)
     media_ids = tuple(int(i) for i in enc.ids[enc.prefix_tokens:enc.prefix_tokens + enc.media_tokens])
@@ -107,6 +112,22 @@ def rerun(model: Model, prepared: Prepared, state: str) -> list[np.ndarray]:
     if enc.media is not None:
         new = dataclasses.replace(new, media=dataclasses.replace(
             enc.media, positions=positions(new.n_tokens, enc.media.runs)))
-    hidden, _ = model.tower.forward(new.ids, new.prefix_tokens, new.state_tokens, None, new.media)
-    logits = stages.head_logits(model.head, model.lexical, new, hidden)[0]
-    return answer.split_probabilities(logits, new.option_counts, model.temperatures(new))
+    return new
+
+
+def _shared_state(original: Encoded, reruns: list[Encoded]) -> int:
+    """How many state tokens (pictures included) every re-run has as the original has them."""
+    limit = min([original.state_tokens] + [enc.state_tokens for enc in reruns])
+    start = original.prefix_tokens
+    for enc in reruns:
+        a, b = original.ids[start:start + limit], enc.ids[start:start + limit]
+        differ = np.flatnonzero(a != b)
+        limit = int(differ[0]) if differ.size else limit
+    return limit
+
+
+def rerun(model: Model, enc: Encoded, shared: int, cache: StateCache) -> list[np.ndarray]:
+    """The probabilities per question of an occluded prompt, decoded as ``[prefix][shared][rest]``."""
+    hidden, _ = model.tower.forward(enc.ids, enc.prefix_tokens, shared, cache, enc.media)
+    logits = stages.head_logits(model.head, model.lexical, enc, hidden)[0]
+    return answer.split_probabilities(logits, enc.option_counts, model.temperatures(enc))

@@ -173,3 +173,23 @@ def test_strict_accepts_it_and_timings_name_it(clef):
     decision = clef.run(clef.prepare(request(TEXT_STATE, evidence=True)))
     assert decision.timings["evidence"] >= 0
     assert "evidence" not in clef.run(clef.prepare(request(TEXT_STATE))).timings
+
+
+def test_occlusion_decodes_the_shared_part_of_the_state_once(clef, monkeypatch):
+    """The re-runs restore the state tokens they all share (those before the first span) from their
+    own cache: every re-run after the first restores more than the system prefix."""
+    calls = []
+    forward = clef.tower.forward
+
+    def counted(ids, prefix, state, cache, media=None):
+        hidden, cached = forward(ids, prefix, state, cache, media)
+        calls.append((prefix, state, cached))
+        return hidden, cached
+
+    monkeypatch.setattr(clef.tower, "forward", counted)
+    state = "Fine so far. " * 20 + TEXT_STATE
+    out = clef.decide(request(state, evidence={"mode": "occlusion", "top": 2}))
+    reruns = calls[1:]
+    assert len(reruns) == out["evidence"]["reruns"] >= 2
+    prefix, shared, _ = reruns[0]
+    assert shared > 0 and all(c == (prefix, shared, prefix + shared) for c in reruns[1:]), reruns
