@@ -1,7 +1,7 @@
 """Where the joint head runs (``head_device``): beside the tower on its GPU, or on the CPU.
 
 The head is a quarter of a decision when it runs on the CPU behind a GPU tower (27 ms of 110 ms on an
-H200, ../shared/design/gpu.md); beside the tower, a decision's hidden states and lexical rows cross to
+H200, measured before the head could move); beside the tower, a decision's hidden states and lexical rows cross to
 the device once (``heads/joint.py`` moves both, whole, to its parameters' device) and its logits come
 back once. ``cuda`` where torch has no CUDA is refused by name, never a silent CPU run.
 """

@@ -19,3 +19,32 @@ def test_bench_server_refuses_nonsense():
                            "--concurrency", "0"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2  # argparse refuses it, naming the flag
     assert "--concurrency" in proc.stderr and "at least 1" in proc.stderr
+
+
+def test_answers_are_held_to_bytes_on_a_cpu_and_to_a_tolerance_where_asked():
+    """Byte-identical stays the CPU's promise; a tolerance (CUDA's default) lets packed answers differ in
+    the last digits, never in their shape."""
+    from clef_gguf.tools.bench_server import GPU_TOLERANCE, default_tolerance, same_answer
+
+    def answer(p: float, choice: str = "a") -> bytes:
+        return json.dumps({"answers": {"q": {"choice": choice, "probabilities": {"a": p, "b": 1 - p}}}},
+                          sort_keys=True).encode()
+
+    assert same_answer(answer(0.5), answer(0.5), 0.0)
+    assert not same_answer(answer(0.50001), answer(0.5), 0.0)
+    assert same_answer(answer(0.50001), answer(0.5), GPU_TOLERANCE)
+    assert not same_answer(answer(0.5002), answer(0.5), GPU_TOLERANCE)
+    assert not same_answer(answer(0.5, "b"), answer(0.5), GPU_TOLERANCE)  # a changed choice is no rounding
+    assert default_tolerance() == 0.0  # this machine has no CUDA device: byte-identical
+
+
+def test_tokens_pads_the_requests_and_a_bad_tolerance_is_refused(tiny_model_dir):
+    proc = subprocess.run(["clef-gguf", "bench-server", "--model", str(tiny_model_dir), "--concurrency", "2",
+                           "--requests", "4", "--tokens", "1000", "--json"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = json.loads(proc.stdout)
+    assert 950 <= out["input_tokens"] <= 1050 and out["levels"][0]["ok"] == 4
+    bad = subprocess.run(["clef-gguf", "bench-server", "--url", "http://127.0.0.1:9", "--tolerance", "2"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--tolerance" in bad.stderr and "between 0 and 1" in bad.stderr
