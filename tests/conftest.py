@@ -13,10 +13,16 @@ directories in tests, copy them first.
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+# A Hugging Face home of the suite's own, set before anything imports huggingface_hub (it reads the
+# variable once): what `pull`, `pick` and `tune` cached for the user never reaches a test.
+os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="clef-gguf-tests-hf-")
 
 TINY_SEED = 0
 
