@@ -57,7 +57,7 @@ else
   CUDACXX="$cuda/bin/nvcc" CUDA_HOME="$cuda" LIBRARY_PATH="$cublas${LIBRARY_PATH:+:$LIBRARY_PATH}" \
     CPATH="$cublas/../include${CPATH:+:$CPATH}" CMAKE_ARGS="$flags -DCUDAToolkit_ROOT=$cuda" FORCE_CMAKE=1 \
     "$py" -m pip wheel -q "${links[@]}" --no-deps --no-binary llama-cpp-python -w "$out/whl" "$llama"
-  built="compiled here: CMAKE_ARGS=$flags, nvcc $("$cuda/bin/nvcc" --version | tail -1)"
+  built="compiled by gpu-bundle.sh: CMAKE_ARGS=$flags, nvcc $("$cuda/bin/nvcc" --version | tail -1)"
 fi
 isolation=()  # with no index, the build backend comes from this Python, not a download
 if [ ${#links[@]} -gt 0 ]; then isolation=(--no-build-isolation); fi

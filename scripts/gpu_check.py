@@ -35,7 +35,7 @@ import gpu_rows  # noqa: E402 - beside this script, not a package
 
 SCHEMA = "clef-gguf-gpu-check/2"
 STATUSES = ("passed", "failed", "measured", "skipped", "cut")
-DEFAULT_DEADLINE_S = 480  # 8 minutes of a 15-minute lease for every row but kernels
+DEFAULT_DEADLINE_S = 480  # 8 minutes for every row but kernels, which has a budget of its own
 KILL_GRACE_S = 5.0  # SIGTERM to SIGKILL of a row's process group
 # The check is offline by design: no hub, no telemetry, whatever the caller's environment says.
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
