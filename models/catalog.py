@@ -136,7 +136,7 @@ class Architecture:
     linear_value_heads: int | None = None
     linear_head_dim: int | None = None
     rope_theta: float | None = None
-    mrope_sections: tuple[int, ...] | None = None
+    mrope_sections: list[int] | None = None
     head: dict[str, int] | None = None
 
 
