@@ -81,7 +81,8 @@ def _numbers(a: object, b: object) -> float | None:
         found = [_numbers(x, y) for x, y in zip(a, b)]
     else:
         return None
-    return None if None in found else max(found, default=0.0)
+    numbers = [f for f in found if f is not None]
+    return max(numbers, default=0.0) if len(numbers) == len(found) else None
 
 
 def same_answer(got: bytes, expected: bytes, tolerance: float) -> bool:

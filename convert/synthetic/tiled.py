@@ -57,8 +57,9 @@ def random_rows(qtype: _T, rows: int, width: int, rng: np.random.Generator) -> n
         if qtype == _T.BF16:
             return torch.from_numpy(values).to(torch.bfloat16).view(torch.uint8).numpy().reshape(rows, -1)
         return values.astype(np.float16 if qtype == _T.F16 else np.float32).view(np.uint8).reshape(rows, -1)
+    fields: tuple[tuple[int, float], ...] = ()
     if qtype == _T.NVFP4:
-        block_values, block_bytes, fields = 64, NVFP4_BLOCK_BYTES, ()
+        block_values, block_bytes = 64, NVFP4_BLOCK_BYTES
     elif qtype in SCALE_FIELDS:
         (block_values, block_bytes), fields = gguf.GGML_QUANT_SIZES[qtype], SCALE_FIELDS[qtype]
     else:
@@ -124,28 +125,31 @@ def write_tiled_tower(path: Path, *, preset: str = "flash9b", outtype: str = "Q4
     rng = np.random.default_rng(seed)
     gen = torch.Generator().manual_seed(seed)
     parts: list[tuple[np.ndarray, int]] = []  # (pool of rows, rows the tensor has)
-    for item in (it for it in items if it.gguf_name is not None):
+    for item in items:
+        name = item.gguf_name
+        if name is None:
+            continue  # a vision or MTP tensor: not in the tower
         shape = tm.output_shape(item.shape, item.edits)
-        qtype = _T[types[item.gguf_name]]
+        qtype = gguf.GGMLQuantizationType[types[name]]
         if len(shape) == 2 and qtype != _T.F32:
             pool = random_rows(qtype, min(POOL_ROWS, shape[0]), shape[1], rng)
             parts.append((pool, shape[0]))
-            writer.add_tensor_info(item.gguf_name, [shape[0], pool.shape[1]], np.dtype(np.uint8),
+            writer.add_tensor_info(name, [shape[0], pool.shape[1]], np.dtype(np.uint8),
                                    shape[0] * pool.shape[1], raw_dtype=qtype)
             if qtype == _T.NVFP4:
                 second = np.array([NVFP4_SECOND_SCALE], np.float32).view(np.uint8).reshape(1, 4)
                 parts.append((second, 1))
-                writer.add_tensor_info(item.gguf_name.removesuffix(".weight") + probe_tower.SECOND_SCALE, [1],
+                writer.add_tensor_info(name.removesuffix(".weight") + probe_tower.SECOND_SCALE, [1],
                                        np.dtype(np.float32), 4, raw_dtype=_T.F32)
             continue
         # norms, decay rates, convolutions: small, drawn and edited as the converter writes them
         values = tm.apply_edits(tiny.init_tensor(item.shape, item.rule, gen).to(torch.float32), item.edits, d)
         data = np.ascontiguousarray(values.numpy(), dtype=np.float32)
         if qtype != _T.F32:
-            raise ConversionError(f"{item.gguf_name}: a {len(shape)}-D tensor planned {qtype.name}, not F32")
+            raise ConversionError(f"{name}: a {len(shape)}-D tensor planned {qtype.name}, not F32")
         rows = data.reshape(-1, shape[-1]) if data.ndim > 1 else data.reshape(1, -1)
         parts.append((rows.view(np.uint8), len(rows)))
-        writer.add_tensor_info(item.gguf_name, list(shape), np.dtype(np.float32), data.nbytes, raw_dtype=_T.F32)
+        writer.add_tensor_info(name, list(shape), np.dtype(np.float32), data.nbytes, raw_dtype=_T.F32)
     _write_tiled(writer, Path(path), parts)
     return {"outtype": outtype, "tensors": len(parts), "bytes": Path(path).stat().st_size,
             "tensor_types": dict(sorted(_count(types).items())),
