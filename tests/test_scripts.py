@@ -209,6 +209,22 @@ def test_a_row_cut_off_keeps_what_it_measured_and_leaves_no_process(tmp_path):
     assert list(work.iterdir()) == []  # the run's folder went with it
 
 
+def test_with_a_fake_clock_the_deadline_cuts_a_row_after_its_second_measurement(tmp_path, monkeypatch):
+    """The clock jumps past the deadline the moment the row's second measurement is in: the row is cut,
+    keeps both, and its process group (the row and the child it started) is gone."""
+    rows = tmp_path / "rows.py"
+    rows.write_text(SLOW_ROWS)
+    monkeypatch.setenv("GRANDCHILD_PID", str(tmp_path / "pid"))
+    entry: dict = {}
+    saved = []
+    clock = lambda: 1e9 if "second" in entry.get("measured", {}) else 0.0  # noqa: E731
+    result = gpu_check.run_row("stuck", tmp_path, True, 600, entry, lambda: saved.append(dict(entry["measured"])),
+                               str(rows), clock)
+    assert result["status"] == "cut" and entry["measured"] == {"first": 1, "second": 2}
+    assert saved == [{"first": 1}, {"first": 1, "second": 2}]  # the report was written at each one
+    assert _gone(int((tmp_path / "pid").read_text()))
+
+
 def test_a_row_that_fails_is_reported_so_and_fails_the_check(tmp_path):
     entry: dict = {}
     crashed = gpu_check.run_row("no-such-row", tmp_path, True, 120, entry, lambda: None)  # the child raises
