@@ -10,10 +10,10 @@
 #       every row's code on this CPU at the tiny shapes, with the installed package (the test suite runs it).
 #   bash scripts/gpu-check.sh --install-only BUNDLE
 #       only the install step; prints the site folder (tests check it against a local bundle).
-# The report goes to $OUT/gpu-check-report.json where $OUT is set, else to the current folder.
+# The report goes to gpu-check-report.json in the current folder unless --report names another.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
-report="${OUT:-$PWD}/gpu-check-report.json"
+report="$PWD/gpu-check-report.json"
 install_only=0
 args=()
 if [ "${1:-}" = "--install-only" ]; then install_only=1; shift; fi
