@@ -19,7 +19,8 @@ from clef_gguf.pipeline.encode import CUT_MARGIN, Encoded, Encoder, render
 # A word, or a run of punctuation: the units that spans are merged from.
 UNIT = re.compile(r"\w+|[^\w\s]+")
 DIGITS = 4  # shares are rounded as the answers' probabilities are
-JOIN = 0.5  # a word widens a span once the spans are found only with this part of the weakest word's weight
+JOIN = 0.5  # a word joins a neighbouring seed's span with at least this part of the seed's weight
+STANDS_OUT = 1.5  # ... and this many times a word's mean weight: evenly spread attention widens nothing
 
 
 # ---------------------------------------------------------------- the state as text
@@ -167,9 +168,10 @@ def pictures(weights: np.ndarray, regions: Regions, grid: bool) -> list[dict[str
 def spans(weights: np.ndarray, regions: Regions, offsets: Sequence[tuple[int, int]], layout: StateLayout,
           top: int) -> list[dict[str, Any]]:
     """The ``top`` state spans with the most attention, best first: each token's weight spread over
-    its non-space characters, summed per word (or punctuation run); the best words taken in order,
-    neighbours merged, until ``top`` spans (then strong neighbours only). ``share``: the span's part
-    of the attention on the state."""
+    its non-space characters, summed per word (or punctuation run); the best words taken in order as
+    seeds (none beside a span), each widened over neighbours at least ``JOIN`` as strong (and
+    ``STANDS_OUT`` x the mean), touching spans merged, until
+    ``top`` spans. ``share``: the span's part of the attention on the state."""
     text = layout.text
     start = regions.state[0]
     state = weights[start:start + len(offsets)].astype(np.float64)
@@ -183,21 +185,25 @@ def spans(weights: np.ndarray, regions: Regions, offsets: Sequence[tuple[int, in
     units = [(m.start(), m.end()) for m in UNIT.finditer(text, 0, _covered(offsets, len(text)))]
     mass = np.array([cumulative[b] - cumulative[a] for a, b in units])
     chosen: set[int] = set()
-    weakest = np.inf
-    for index in np.argsort(-mass, kind="stable")[: 4 * top]:
+    floor = STANDS_OUT * float(mass.mean()) if len(units) else 0.0
+    for index in (int(i) for i in np.argsort(-mass, kind="stable")):
+        if index in chosen or index - 1 in chosen or index + 1 in chosen:
+            continue  # a neighbour too weak to have joined a span is not one of its own either
         if _runs(chosen) >= top:
-            # Once there are enough spans, only a neighbour about as strong as the words already taken
-            # may widen one: weak glue (a comma, a space-joined filler) would merge them all.
-            joins = index - 1 in chosen or index + 1 in chosen
-            if not joins or mass[index] < JOIN * weakest:
-                break
-        chosen.add(int(index))
-        weakest = min(weakest, mass[index])
+            break
+        chosen.add(index)
+        # A seed widens over neighbours about as strong as itself; weak glue (a comma, a filler word)
+        # stops it, so spans stay phrases instead of merging into one.
+        for step in (-1, 1):
+            j = index + step
+            while 0 <= j < len(units) and j not in chosen and mass[j] >= max(JOIN * mass[index], floor):
+                chosen.add(j)
+                j += step
     merged: list[tuple[int, int, float]] = []
     for index in sorted(chosen):
         a, b = units[index]
         if merged and index - 1 in chosen and merged[-1][1] == units[index - 1][1]:
-            merged[-1] = (merged[-1][0], b, merged[-1][2] + mass[index])
+            merged[-1] = (merged[-1][0], b, merged[-1][2] + float(mass[index]))
         else:
             merged.append((a, b, float(mass[index])))
     merged.sort(key=lambda s: -s[2])
