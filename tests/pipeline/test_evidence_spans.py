@@ -3,6 +3,8 @@ into spans, shares of the prompt's parts; and ``pipeline.evidence``'s reading of
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -75,3 +77,15 @@ def test_the_key():
     with pytest.raises(errors.InvalidValue) as refused:
         parse_evidence([True])
     assert refused.value.field == "evidence" and "list" in str(refused.value)
+
+
+def test_evenly_spread_attention_gives_separate_words_not_one_span():
+    text = "one two three four five six seven eight"
+    offsets = [(m.start(), m.end()) for m in re.finditer(r"\w+", text)]
+    weights = np.full(10, 0.1, dtype=np.float32)
+    weights[4] = 0.12  # "four" (the state starts at token 1) a little above the rest
+    found = spans(weights, regions((1, 9), 10), offsets, state_layout(text), top=3)
+    assert len(found) == 3 and found[0]["text"] == "four"
+    assert all(" " not in s["text"] for s in found)
+    starts = sorted(s["start"] for s in found)
+    assert all(text[a - 1] == " " for a in starts if a)  # whole words, none touching another span
