@@ -9,7 +9,7 @@ from clef_gguf.core.argtypes import positive_int, seconds
 from clef_gguf.core.cpus import available_cpus
 from clef_gguf.core.errors import InvalidValue
 from clef_gguf.core.limits import GiB
-from clef_gguf.pick import evidence, speed
+from clef_gguf.pick import quality, speed
 from clef_gguf.models.machine import DeviceProfile, probe
 from clef_gguf.models.placement import (DEFAULT_CONTEXT, Candidate, Recommendation, fp4_note, gib, gpu_layers,
                                         recommend)
@@ -29,8 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "recommend the smallest quant that fits and keeps the reference's answers on "
                              "those records (top-1 agreement >= --min-agreement; without it, an accuracy "
                              "delta whose 95%% bootstrap interval reaches 0, else agreement >= "
-                             f"{evidence.DEFAULT_AGREEMENT:g})")
-    parser.add_argument("--min-agreement", type=evidence.agreement, metavar="X",
+                             f"{quality.DEFAULT_AGREEMENT:g})")
+    parser.add_argument("--min-agreement", type=quality.agreement, metavar="X",
                         help="with --eval: the top-1 agreement with the eval's reference a quant must keep")
     speed_flags = parser.add_argument_group(
         "speed on this machine",
@@ -113,20 +113,20 @@ def run(args: argparse.Namespace) -> int:
                            field="min_agreement")
     profile = probe()
     rec = recommend(profile, args.family, context_tokens=args.ctx)
-    summary = evidence.load(args.eval) if args.eval else None
+    summary = quality.load(args.eval) if args.eval else None
     if summary is not None:
-        rec = evidence.apply(rec, summary, args.min_agreement)
+        rec = quality.apply(rec, summary, args.min_agreement)
     table = measure_speed(args, profile, rec)
     if table is not None and choosing:
         keeps = None
         if summary is not None:
-            keeps = {q for q, v in evidence.verdicts(summary, args.min_agreement).items() if v.keeps}
+            keeps = {q for q, v in quality.verdicts(summary, args.min_agreement).items() if v.keeps}
         rec = speed.apply(rec, speed.choose(rec, table, max_seconds=args.max_seconds, prefer=args.prefer,
                                             keeps=keeps))
     elif table is None and choosing:  # --no-probe with choosing was refused above
         raise InvalidValue(f"no speed probe for {rec.family}: its tower shapes are not confirmed, so "
                            "--max-seconds and --prefer speed cannot choose", field="family")
-    agreements = evidence.agreements(summary) if summary is not None else {}
+    agreements = quality.agreements(summary) if summary is not None else {}
     if args.json:
         print(json.dumps({"device": profile.to_dict(), "recommendation": rec.to_dict(),
                           "speed": table.to_dict() if table is not None else None,
