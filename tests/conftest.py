@@ -146,3 +146,12 @@ def tiny_fine_tunes(tiny_release, tiny_model_dir, tmp_path_factory) -> dict[str,
         checkpoint = build_finetune_checkpoint(tiny_release, root / f"ckpt-{name}", seed=seed)
         out[name] = convert_adapter(checkpoint, root / name, base=tiny_model_dir, outtype="f32", name=name)
     return out
+
+
+@pytest.fixture
+def fake_tower(tmp_path, monkeypatch):
+    """A file named like a tower (what ``tune``'s store keys on), in a Hugging Face home of its own."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    path = tmp_path / "tower.gguf"
+    path.write_bytes(b"GGUF" + bytes(60))
+    return path

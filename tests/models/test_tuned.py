@@ -15,11 +15,8 @@ def tuning(tower, device="cpu", chosen=None, gpus=()):
 
 
 @pytest.fixture
-def tower(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    path = tmp_path / "tower.gguf"
-    path.write_bytes(b"GGUF" + bytes(60))
-    return path
+def tower(fake_tower):
+    return fake_tower
 
 
 def test_a_tuning_is_kept_per_tower_and_device_and_read_back(tower):

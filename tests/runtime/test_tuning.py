@@ -23,11 +23,8 @@ def keep(tower, chosen=CHOSEN):
 
 
 @pytest.fixture
-def tower(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    path = tmp_path / "tower.gguf"
-    path.write_bytes(b"GGUF" + bytes(60))
-    return path
+def tower(fake_tower):
+    return fake_tower
 
 
 def test_tuned_values_fill_only_what_no_setting_gives(tower):
