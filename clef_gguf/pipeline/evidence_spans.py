@@ -165,25 +165,52 @@ def pictures(weights: np.ndarray, regions: Regions, grid: bool) -> list[dict[str
     return out
 
 
-def spans(weights: np.ndarray, regions: Regions, offsets: Sequence[tuple[int, int]], layout: StateLayout,
+@dataclass(frozen=True)
+class Placement:
+    """Where a state token's weight goes, worked out once per request: each (non-space character,
+    token) pair with the token's part per character, and the words (or punctuation runs) of the
+    characters the kept tokens cover."""
+
+    chars: np.ndarray  # int64: a non-space character of a token
+    tokens: np.ndarray  # int64: that token
+    parts: np.ndarray  # float64: 1 / that token's non-space characters
+    starts: np.ndarray  # int64: each word's first character
+    ends: np.ndarray  # int64: each word's end (exclusive)
+    length: int
+
+    @classmethod
+    def of(cls, offsets: Sequence[tuple[int, int]], text: str) -> Placement:
+        bounds = np.array(offsets, dtype=np.int64).reshape(-1, 2).clip(0, len(text))
+        lengths = np.maximum(bounds[:, 1] - bounds[:, 0], 0)
+        tokens = np.repeat(np.arange(len(bounds)), lengths)
+        first = np.repeat(np.cumsum(lengths) - lengths, lengths)
+        chars = np.repeat(bounds[:, 0], lengths) + np.arange(int(lengths.sum())) - first
+        space = np.array([c.isspace() for c in text] + [True], dtype=bool)
+        keep = ~space[chars]
+        chars, tokens = chars[keep], tokens[keep]
+        counts = np.bincount(tokens, minlength=len(bounds))
+        units = [(m.start(), m.end()) for m in UNIT.finditer(text, 0, _covered(offsets, len(text)))]
+        starts, ends = (np.array(side, dtype=np.int64) for side in zip(*units)) if units else (
+            np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+        return cls(chars, tokens, 1.0 / counts[tokens], starts, ends, len(text))
+
+
+def spans(weights: np.ndarray, regions: Regions, placement: Placement, layout: StateLayout,
           top: int) -> list[dict[str, Any]]:
     """The ``top`` state spans with the most attention, best first: each token's weight spread over
     its non-space characters, summed per word (or punctuation run); the best words taken in order as
     seeds (none beside a span), each widened over neighbours at least ``JOIN`` as strong (and
-    ``STANDS_OUT`` x the mean), touching spans merged, until
-    ``top`` spans. ``share``: the span's part of the attention on the state."""
+    ``STANDS_OUT`` x the mean), touching spans merged, until ``top`` spans. ``share``: the span's part
+    of the attention on the state."""
     text = layout.text
     start = regions.state[0]
-    state = weights[start:start + len(offsets)].astype(np.float64)
+    state = weights[start:regions.state[1]].astype(np.float64)
     total = float(state.sum())
-    per_char = np.zeros(len(text) + 1)
-    for w, (a, b) in zip(state, offsets):
-        chars = [i for i in range(a, min(b, len(text))) if not text[i].isspace()]
-        if chars:
-            per_char[chars] += w / len(chars)
+    per_char = np.bincount(placement.chars, weights=state[placement.tokens] * placement.parts,
+                           minlength=placement.length + 1)
     cumulative = np.concatenate([[0.0], np.cumsum(per_char)])
-    units = [(m.start(), m.end()) for m in UNIT.finditer(text, 0, _covered(offsets, len(text)))]
-    mass = np.array([cumulative[b] - cumulative[a] for a, b in units])
+    units = list(zip(placement.starts.tolist(), placement.ends.tolist()))
+    mass = cumulative[placement.ends] - cumulative[placement.starts]
     chosen: set[int] = set()
     floor = STANDS_OUT * float(mass.mean()) if len(units) else 0.0
     for index in (int(i) for i in np.argsort(-mass, kind="stable")):

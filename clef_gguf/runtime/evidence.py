@@ -41,6 +41,7 @@ def explain(model: Model, prepared: Prepared, probs: list[np.ndarray], attention
     layout = spans.state_layout(request.state)
     regions = spans.Regions.of(enc)
     offsets = spans.state_offsets(model.encoder, layout.text, enc.ids[regions.state[0]:regions.state[1]])
+    placement = spans.Placement.of(offsets, layout.text)
     owner = [q for q, count in enumerate(enc.option_counts) for _ in range(count)]
     rows = attention.option_rows(owner).numpy()
     ids = [[o.id for o in q.options] for q in request.questions]
@@ -49,7 +50,7 @@ def explain(model: Model, prepared: Prepared, probs: list[np.ndarray], attention
 
     def one(row: np.ndarray) -> dict[str, Any]:
         item: dict[str, Any] = {"shares": spans.shares(row, regions),
-                                "spans": spans.spans(row, regions, offsets, layout, spec.top)}
+                                "spans": spans.spans(row, regions, placement, layout, spec.top)}
         if regions.runs:
             item["pictures"] = spans.pictures(row, regions, spec.grid)
         return item
