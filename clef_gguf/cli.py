@@ -92,8 +92,9 @@ def add_decide_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_decide(args: argparse.Namespace) -> int:
     request = read_request(args.request)
-    if args.evidence is not None and isinstance(request, dict):
-        request = {**request, "evidence": {"mode": args.evidence}}
+    if args.evidence is not None and isinstance(request, dict):  # the request's own top/options kept
+        own = request.get("evidence")
+        request = {**request, "evidence": {**(own if isinstance(own, dict) else {}), "mode": args.evidence}}
     with load_model(args) as clef:
         prepared = clef.prepare(request, truncate_state=args.truncate_state)
         response, timings = clef.run(prepared)

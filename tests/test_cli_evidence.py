@@ -50,6 +50,10 @@ def test_decide_evidence_json_and_text(tiny_model_dir, tmp_path, capsys):
     assert lines[0].startswith("urgent: noul p(true)=") and "attention of '" in lines[1]
     assert any(line.strip().startswith("1. '") and "of the state's" in line and "Δp" in line for line in lines)
     assert lines[-1].startswith("occlusion: ") and lines[-1].endswith(" re-runs")
+    rc, out = decide(tiny_model_dir, tmp_path, capsys, "--evidence=occlusion",
+                     body={"state": STATE, "questions": QUESTIONS, "evidence": {"top": 1}})
+    kept = json.loads(out)["evidence"]  # the flag sets the mode, the request's top stays
+    assert rc == 0 and kept["mode"] == "occlusion" and all(len(b["spans"]) == 1 for b in kept["questions"].values())
     rc, text = decide(tiny_model_dir, tmp_path, capsys, "--format", "text")
     assert rc == 0 and "attention" not in text and text.startswith("urgent: noul")
 
