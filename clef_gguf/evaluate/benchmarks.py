@@ -111,7 +111,8 @@ def deltas(reference: Sequence[dict[str, Any]], model: Sequence[dict[str, Any]],
     out = {}
     for name, group in sorted(_grouped(reference, benchmarks).items()):
         other = [theirs[line["id"]] for line in group if line["id"] in theirs]
-        both = [(a, b) for a, b in zip(group, other) if a.get("targets") and "questions" in a and "questions" in b]
+        both = [(a, theirs[a["id"]]) for a in group if a["id"] in theirs and a.get("targets")
+                and "questions" in a and "questions" in theirs[a["id"]]]
         pairs = agreement.pairs(group, other)
         entry: dict[str, Any] = {"agreement": agreement.summary([agreement.per_pair(p) for p in pairs]),
                                  "rows_compared": len(both),

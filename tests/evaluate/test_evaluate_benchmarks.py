@@ -78,3 +78,12 @@ def test_a_quant_against_the_reference_per_benchmark():
     same = benchmarks.deltas(REFERENCE, REFERENCE, BENCHMARKS, seed=0, resamples=50)
     assert all(same[n][m]["delta"] == 0 and same[n][m]["ci95"] == [0, 0] for n in "AB" for m in benchmarks.DELTAS
                if not math.isnan(same[n][m]["delta"]))
+
+
+def test_rows_are_paired_by_id_when_the_model_misses_one():
+    # the model's run lacks row 0: rows 1 and 2 must meet their own reference rows, not their neighbours
+    model = [REFERENCE[2], REFERENCE[1], *REFERENCE[3:]]
+    got = benchmarks.deltas(REFERENCE, model, BENCHMARKS, seed=0, resamples=50)["A"]
+    assert got["rows_compared"] == 2 and got["agreement"]["top1"] == 1.0
+    assert all(got[m]["delta"] == 0 and got[m]["ci95"] == [0, 0] for m in benchmarks.DELTAS)
+    assert got["coverage"] == pytest.approx(-0.25)
