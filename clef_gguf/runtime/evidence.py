@@ -74,11 +74,14 @@ def occlude(model: Model, prepared: Prepared, probs: list[np.ndarray], chosen: l
     the answer changes, ``top_option``. Returns the number of re-runs."""
     ranges = sorted({(s["start"], s["end"]) for block in questions.values() for s in _all_spans(block)})
     encoded = {r: occluded(model, prepared, text[:r[0]] + text[r[1]:]) for r in ranges}
-    shared = _shared_state(prepared.encoded, list(encoded.values()))
-    # The state tokens every re-run shares (those before the first span) are decoded once and restored
-    # after, from a cache of the re-runs' own: each re-run then decodes only what follows them.
+    original = prepared.encoded
+    shared = {r: _shared_state(original, enc) for r, enc in encoded.items()}
+    # The original prompt is decoded once in segments ending where each span's tokens begin, with a
+    # snapshot at each: every re-run restores its own span's and decodes only the tokens after it.
     cache = StateCache()
-    after = {r: rerun(model, enc, shared, cache) for r, enc in encoded.items()}
+    model.tower.keep_points(original.ids, original.prefix_tokens,
+                            [original.prefix_tokens + n for n in shared.values()], cache, original.media)
+    after = {r: rerun(model, enc, shared[r], cache) for r, enc in encoded.items()}
     for q, (qid, block) in enumerate(questions.items()):
         order = prepared.request.questions[q].report_order
         ids = [o.id for o in prepared.request.questions[q].options]
@@ -116,19 +119,17 @@ def occluded(model: Model, prepared: Prepared, state: str) -> Encoded:
     return new
 
 
-def _shared_state(original: Encoded, reruns: list[Encoded]) -> int:
-    """How many state tokens (pictures included) every re-run has as the original has them."""
-    limit = min([original.state_tokens] + [enc.state_tokens for enc in reruns])
+def _shared_state(original: Encoded, rerun: Encoded) -> int:
+    """How many state tokens (pictures included) ``rerun`` has as the original has them."""
+    limit = min(original.state_tokens, rerun.state_tokens)
     start = original.prefix_tokens
-    for enc in reruns:
-        a, b = original.ids[start:start + limit], enc.ids[start:start + limit]
-        differ = np.flatnonzero(a != b)
-        limit = int(differ[0]) if differ.size else limit
-    return limit
+    differ = np.flatnonzero(original.ids[start:start + limit] != rerun.ids[start:start + limit])
+    return int(differ[0]) if differ.size else limit
 
 
 def rerun(model: Model, enc: Encoded, shared: int, cache: StateCache) -> list[np.ndarray]:
-    """The probabilities per question of an occluded prompt, decoded as ``[prefix][shared][rest]``."""
+    """The probabilities per question of an occluded prompt, decoded as ``[prefix][shared][rest]``
+    (``[prefix][shared]`` restored from ``cache`` where the original's snapshot is there)."""
     hidden, _ = model.tower.forward(enc.ids, enc.prefix_tokens, shared, cache, enc.media)
     logits = stages.head_logits(model.head, model.lexical, enc, hidden)[0]
     return answer.split_probabilities(logits, enc.option_counts, model.temperatures(enc))

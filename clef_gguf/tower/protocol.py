@@ -81,6 +81,12 @@ class LanguageTower(Protocol):
         ``media``: its images and videos, decoded as embeddings at their M-RoPE positions."""
         ...
 
+    def keep_points(self, ids: np.ndarray, prefix: int, points: list[int], cache: StateCache | None,
+                    media: MediaPrompt | None = None) -> int:
+        """Decode ``ids`` up to the last of ``points`` (token counts), keeping a snapshot in
+        ``cache`` at each, for prompts that share ``ids[:point]``; the tokens decoded."""
+        ...
+
     def forward_many(self, prompts: list[Prompt], cache: StateCache | None = None, *,
                      pack: int | None = None) -> list[Forwarded | ClefError]:
         """``forward`` for each prompt, in order; a prompt's ClefError in its place (the others

@@ -14,7 +14,7 @@ and cache rule is here, for both backends and for the llama.cpp tower's packed d
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from clef_gguf.tower.cache import Kept, Snapshot, StateCache, usable
@@ -86,6 +86,7 @@ class Plan(Generic[K]):
     segments: list[tuple[int, int]]
     state_key: bytes | None  # the [prefix][state] snapshot goes there once token ``head`` is decoded
     media: MediaPrompt | None = None  # images/videos: decoded as their embeddings, at M-RoPE positions
+    marks: dict[int, bytes] = field(default_factory=dict)  # more snapshots: a segment's end -> its cache key
 
     @property
     def keeps_prefix(self) -> bool:
@@ -227,6 +228,30 @@ class Schedule(Generic[S, K]):
             return Plan(ids, prefix, head, self.prefix[1], prefix, segments + rest, state_key, media)
         return Plan(ids, prefix, head, None, 0, [(0, prefix), *segments, *rest], state_key, media)
 
+    def keep_points(self, ids: np.ndarray, prefix: int, points: list[int], cache: StateCache | None,
+                    media: MediaPrompt | None = None) -> int:
+        """Decode ``ids`` up to the last of ``points`` (token counts past the prefix) in segments
+        ending at each, keeping a ``[prefix][state]`` snapshot at each point: a prompt that shares
+        ``ids[:point]`` then restores it and decodes only what follows (``plan``). Returns the
+        tokens decoded (0 where every point is cached already, or nothing can be kept)."""
+        cache = usable(cache)
+        points = sorted({p for p in points if prefix < p <= len(ids)})
+        if cache is None or not points:
+            return 0
+        tag = self.tag + (f"#{media.digest}" if media is not None else "")
+        with self.lock:
+            ids = self.check(ids[:points[-1]])
+            marks = {p: cache.key("state", ids[:p], tag) for p in points}
+            if all(key in cache for key in marks.values()):
+                return 0
+            segments = list(zip([prefix, *points[:-1]], points))
+            if self.prefix is not None and self.knows_prefix(ids, prefix):
+                plan = Plan(ids, prefix, points[-1], self.prefix[1], prefix, segments, None, media, marks)
+            else:
+                plan = Plan(ids, prefix, points[-1], None, 0, [(0, prefix), *segments], None, media, marks)
+            self.run(plan, cache)
+        return points[-1] - plan.cached
+
     def keepable(self, cache: StateCache, state_bytes: int, n_tokens: int) -> bool:
         """Whether a ``[prefix][state]`` snapshot of this size fits the cache at all."""
         return state_bytes + n_tokens * self.seqs.n_embd * 4 <= cache.max_bytes
@@ -257,4 +282,8 @@ class Schedule(Generic[S, K]):
                 size = seqs.kept_bytes(seq)
                 if self.keepable(cache, size, plan.head):
                     self.keep_state(cache, plan.state_key, plan.head, seqs.keep(seq, size), np.concatenate(parts))
+            elif end in plan.marks and cache is not None:
+                size = seqs.kept_bytes(seq)
+                if self.keepable(cache, size, end):
+                    self.keep_state(cache, plan.marks[end], end, seqs.keep(seq, size), np.concatenate(parts))
         return np.concatenate(parts), plan.cached

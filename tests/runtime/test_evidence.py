@@ -175,21 +175,44 @@ def test_strict_accepts_it_and_timings_name_it(clef):
     assert "evidence" not in clef.run(clef.prepare(request(TEXT_STATE))).timings
 
 
-def test_occlusion_decodes_the_shared_part_of_the_state_once(clef, monkeypatch):
-    """The re-runs restore the state tokens they all share (those before the first span) from their
-    own cache: every re-run after the first restores more than the system prefix."""
-    calls = []
-    forward = clef.tower.forward
+def test_each_occlusion_rerun_decodes_only_the_tokens_after_its_span(clef, monkeypatch):
+    """The original prompt is decoded once, in segments ending where each span's tokens begin, with a
+    snapshot at each; a re-run restores its own span's and decodes only the tokens after the span."""
+    decoded: list[int] = []
+    append, forward, keep_points = clef.tower._seq.append, clef.tower.forward, clef.tower.keep_points
+    calls: list[tuple[str, bytes, int]] = []
 
-    def counted(ids, prefix, state, cache, media=None):
-        hidden, cached = forward(ids, prefix, state, cache, media)
-        calls.append((prefix, state, cached))
-        return hidden, cached
+    def counted_append(seq, ids, start, media=None):
+        decoded.append(len(ids))
+        return append(seq, ids, start, media)
 
-    monkeypatch.setattr(clef.tower, "forward", counted)
-    state = "Fine so far. " * 20 + TEXT_STATE
-    out = clef.decide(request(state, evidence={"mode": "occlusion", "top": 2}))
-    reruns = calls[1:]
-    assert len(reruns) == out["evidence"]["reruns"] >= 2
-    prefix, shared, _ = reruns[0]
-    assert shared > 0 and all(c == (prefix, shared, prefix + shared) for c in reruns[1:]), reruns
+    def phase(name, call):
+        def run(ids, *args):
+            before = len(decoded)
+            out = call(ids, *args)
+            calls.append((name, ids.tobytes(), sum(decoded[before:])))
+            return out
+        return run
+
+    state = "Fine so far. " * 20 + TEXT_STATE + " Then it all went wrong." * 5
+    ids = clef.prepare(request(state)).encoded
+    monkeypatch.setattr(clef.tower._seq, "append", counted_append)
+    monkeypatch.setattr(clef.tower, "forward", phase("forward", forward))
+    monkeypatch.setattr(clef.tower, "keep_points", phase("keep", keep_points))
+    out = clef.decide(request(state, evidence={"mode": "occlusion", "top": 3}))
+    ranges = {(s["start"], s["end"]) for block in out["evidence"]["questions"].values() for s in block["spans"]}
+    assert len(ranges) == out["evidence"]["reruns"] >= 3
+
+    def after_span(start: int, end: int) -> tuple[bytes, int]:
+        """The occluded prompt's ids, and its tokens from the first one that differs from the original's."""
+        again = clef.prepare(request(state[:start] + state[end:])).encoded.ids
+        same = next(i for i, (a, b) in enumerate(zip(ids.ids, again)) if a != b)
+        return again.tobytes(), len(again) - same
+
+    expected = dict(after_span(*r) for r in ranges)
+    (keep,) = [c for c in calls if c[0] == "keep"]
+    reruns = [c for c in calls if c[0] == "forward"][1:]
+    assert {key: n for _, key, n in reruns} == expected
+    # the shared decode ran up to the last span's first token, and no re-run decoded the whole state
+    assert keep[2] <= len(ids.ids) and all(n < ids.n_tokens - ids.prefix_tokens for n in expected.values())
+    assert sum(expected.values()) + keep[2] < len(ranges) * (ids.n_tokens - ids.prefix_tokens)

@@ -213,3 +213,18 @@ def test_forward_each_keeps_errors_in_place():
                                  (np.array([1, 500], dtype=np.int32), 1, 0)], None)
     assert got[0][1] == 0 and isinstance(got[1], errors.InferenceError)
     assert "outside the list vocab" in got[1].message
+
+
+def test_keep_points_snapshots_each_point_and_a_prompt_resumes_from_its_own():
+    schedule, cache = list_schedule(), StateCache(1 << 20)
+    original = np.array([1, 2, 3, 10, 11, 12, 13, 14, 20], dtype=np.int32)
+    assert schedule.keep_points(original, 3, [7, 5, 3, 99], cache) == 7  # the prefix, then 3..5, 5..7
+    assert schedule.seqs.decoded == [(0, 3), (3, 5), (5, 7)]
+    assert schedule.keep_points(original, 3, [5, 7], cache) == 0  # all kept already
+    for cut, n_state in ((5, 3), (7, 1)):  # the original up to ``cut``, then other tokens
+        ids = np.concatenate([original[:cut], np.array([40, 41, 42], dtype=np.int32)])
+        schedule.seqs.decoded.clear()
+        hidden, cached = schedule.forward(ids, 3, cut - 3, cache)
+        assert cached == cut and schedule.seqs.decoded == [(cut, cut + 3)]
+        assert np.array_equal(hidden, list_schedule().forward(ids, 3, n_state, None)[0])
+    assert list_schedule().keep_points(original, 3, [5], None) == 0  # nothing to keep into

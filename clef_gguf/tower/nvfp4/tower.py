@@ -240,6 +240,11 @@ class NVFP4Tower:
         counts) on the canonical schedule; ``media``: its images and videos, as embeddings."""
         return self._schedule.forward(ids, prefix, state, cache, media)
 
+    def keep_points(self, ids: np.ndarray, prefix: int, points: list[int], cache: StateCache | None,
+                    media: MediaPrompt | None = None) -> int:
+        """Snapshots of ``ids[:point]`` for each point, on the canonical schedule (``Schedule.keep_points``)."""
+        return self._schedule.keep_points(ids, prefix, points, cache, media)
+
     def forward_many(self, prompts: list[Prompt], cache: StateCache | None = None, *,
                      pack: int | None = None) -> list[Forwarded | ClefError]:
         """``forward`` for each prompt, in order, a prompt's ClefError in its place.
