@@ -13,6 +13,9 @@ skipped: the other records, and the record's other labels, are still scored. A r
 
 from __future__ import annotations
 
+import gzip
+import json
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,17 +34,39 @@ class LabelledRecord:
     error: dict | None = None  # {"error": {...}} when the line cannot be used at all
 
 
-def read(path: str | Path) -> Iterator[LabelledRecord]:
-    """Every non-blank line of ``path``, in order."""
+def lines(path: str | Path) -> Iterator[tuple[int, bytes]]:
+    """Every line of a JSONL file with its 0-based number, through gzip when the name ends in ``.gz``;
+    ``InvalidInput`` naming the file when it cannot be read (missing, not gzip, corrupt or cut short)."""
+    opener = gzip.open if str(path).endswith(".gz") else open
     try:
-        f = open(path, "rb")
-    except OSError as exc:
-        raise errors.InvalidInput(f"cannot read the data: {exc.strerror}: {path}", field="data") \
-            from None
-    with f:
-        for index, raw in enumerate(f):
-            if raw.strip():
-                yield _record(index, raw.rstrip(b"\r\n"))
+        with opener(path, "rb") as f:
+            yield from enumerate(f)
+    except OSError as exc:  # gzip.BadGzipFile is an OSError
+        raise _unreadable(path, exc.strerror or str(exc)) from None
+    except EOFError:
+        raise _unreadable(path, "it ends early (a truncated .gz file)") from None
+    except zlib.error as exc:  # a damaged deflate stream inside a valid gzip header
+        raise _unreadable(path, f"its compressed data is corrupt ({exc})") from None
+
+
+def _unreadable(path: str | Path, why: str) -> errors.InvalidInput:
+    return errors.InvalidInput(f"cannot read the data file {path}: {why}", field="data")
+
+
+def first_row(path: str | Path) -> Any:
+    """The first non-blank line as JSON, or None when there is none or it cannot be read or parsed."""
+    try:
+        raw = next((line for _, line in lines(path) if line.strip()), b"")
+        return json.loads(raw)
+    except (errors.InvalidInput, ValueError):
+        return None
+
+
+def read(path: str | Path) -> Iterator[LabelledRecord]:
+    """Every non-blank line of ``path`` (``.jsonl``, or ``.jsonl.gz``), in order."""
+    for index, raw in lines(path):
+        if raw.strip():
+            yield _record(index, raw.rstrip(b"\r\n"))
 
 
 def _record(index: int, line: bytes) -> LabelledRecord:

@@ -13,15 +13,13 @@ silently missing would not be the benchmark.
 
 from __future__ import annotations
 
-import gzip
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from clef_gguf.core import errors
-from clef_gguf.evaluate.records import LabelledRecord, normalize_label
+from clef_gguf.evaluate.records import LabelledRecord, first_row, lines, normalize_label
 from clef_gguf.pipeline.request import parse_json, parse_request
 
 REQUEST_KEYS = ("state", "questions")
@@ -42,28 +40,10 @@ class Suite:
 
 
 def is_suite(path: str | Path) -> bool:
-    """A ``.gz`` file, or a JSONL whose first row has ``expected`` and no ``labels`` (clef-finetune's)."""
-    if str(path).endswith(".gz"):
-        return True
-    try:
-        with open(path, "rb") as f:
-            first = next((line for line in f if line.strip()), b"")
-        row = json.loads(first)
-    except (OSError, ValueError):
-        return False  # the labelled reader says what is wrong with it
-    return isinstance(row, dict) and "expected" in row and "labels" not in row
-
-
-def _lines(path: Path) -> Iterator[tuple[int, bytes]]:
-    opener = gzip.open if str(path).endswith(".gz") else open
-    try:
-        with opener(path, "rb") as f:
-            yield from enumerate(f)
-    except OSError as exc:  # gzip.BadGzipFile is an OSError
-        raise errors.InvalidInput(f"cannot read the suite file {path}: {exc.strerror or exc}", field="data") \
-            from None
-    except EOFError:
-        raise errors.InvalidInput(f"{path} ends early: a truncated .gz file", field="data") from None
+    """Whether the first row is a suite row: it names a benchmark (``family``/``track``) or carries
+    ``expected``, and has no ``labels`` (clef-finetune's), whether or not the file is gzipped."""
+    row = first_row(path)  # None when unreadable: the labelled reader says what is wrong with it
+    return isinstance(row, dict) and "labels" not in row and any(k in row for k in ("expected", "family", "track"))
 
 
 def _bad(path: Path, row: int, field: str, problem: str) -> errors.InvalidInput:
@@ -135,7 +115,7 @@ def read(path: str | Path) -> Suite:
     records: list[LabelledRecord] = []
     benchmarks: dict[int, str] = {}
     declared: dict[str, dict[str, None]] = {}
-    for index, raw in _lines(path):
+    for index, raw in lines(path):
         if not raw.strip():
             continue
         record, benchmark, metrics = _row(path, index, raw.rstrip(b"\r\n"))

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from clef_gguf.core import errors
+from clef_gguf.evaluate import records as labelled
 from clef_gguf.evaluate import suite
 
 ROUTE = {"type": "choice", "instructions": "Which team?",
@@ -80,3 +81,26 @@ def test_a_line_that_is_no_json_object_and_a_broken_gz(tmp_path):
     with pytest.raises(errors.InvalidInput) as exc:
         suite.read(tmp_path / "rows.jsonl.gz")
     assert exc.value.field == "data"
+
+
+def test_a_corrupt_deflate_stream_is_refused_naming_the_file(tmp_path):
+    damaged = bytearray(gzip.compress("".join(json.dumps(di_row(i)) + "\n" for i in range(50)).encode()))
+    damaged[12:30] = bytes(b ^ 0xFF for b in damaged[12:30])  # the header stands, the deflate data does not
+    path = tmp_path / "selected-rows.jsonl.gz"
+    path.write_bytes(damaged)
+    for read in (suite.read, lambda p: list(labelled.read(p))):
+        with pytest.raises(errors.InvalidInput) as exc:
+            read(path)
+        assert exc.value.field == "data" and str(path) in exc.value.message and "corrupt" in exc.value.message
+    assert not suite.is_suite(path)  # the labelled reader then says what is wrong with it
+
+
+def test_a_suite_is_told_by_its_rows_not_by_gz(tmp_path):
+    finetune = {"id": "c1", "state": "x", "questions": {"urgent": {"type": "noul"}}, "labels": {"urgent": True}}
+    write(tmp_path / "labelled.jsonl.gz", [finetune], gz=True)
+    assert not suite.is_suite(tmp_path / "labelled.jsonl.gz")
+    assert [r.labels for r in labelled.read(tmp_path / "labelled.jsonl.gz")] == [{"urgent": True}]
+    write(tmp_path / "bare.jsonl", [{k: v for k, v in di_row(0).items() if k != "expected"}])
+    assert suite.is_suite(tmp_path / "bare.jsonl")  # names its benchmark: its missing expected is then said
+    with pytest.raises(errors.InvalidInput, match="row 1: expected"):
+        suite.read(tmp_path / "bare.jsonl")
