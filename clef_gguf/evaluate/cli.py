@@ -74,7 +74,8 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--resamples", type=positive_int, default=stats.BOOTSTRAP,
                    help=f"bootstrap resamples (default {stats.BOOTSTRAP})")
     g.add_argument("--truncate-state", action="store_true",
-                   help="cut over-long states to fit the window instead of failing those records")
+                   help="cut over-long states to fit the window instead of failing those records "
+                        "(refused with Decision Index rows, which are never cut)")
     g.add_argument("--write-demo-data", type=positive_int, metavar="N",
                    help="first write N labelled demo records to --data (a new file), labels drawn "
                         "(seeded by --seed) from the first model's own probabilities at "
@@ -218,6 +219,9 @@ def run_eval(args: argparse.Namespace) -> int:
         with loader(args, *pairs[0])() as clef:
             demo.write(clef.default_model, data, args.write_demo_data, seed=args.seed)
     rows = suite.read(data) if suite.is_suite(data) else None
+    if rows and args.truncate_state:
+        raise errors.InvalidValue("--truncate-state is refused with Decision Index rows: a row over the window is "
+                                  "never cut, it counts as unanswered", field="truncate_state")
     records = rows.records if rows else list(labelled.read(data))
     if not records:
         raise errors.InvalidInput(f"{data} holds no records", field="data")

@@ -263,6 +263,15 @@ def test_quants_and_rows_are_refused_when_they_cannot_be_meant(tiny_model_dir, t
     assert json.loads(capsys.readouterr().out)["error"]["field"] == field
 
 
+def test_truncate_state_is_refused_with_suite_rows(tiny_model_dir, tmp_path, capsys):
+    rows = tmp_path / "rows.jsonl.gz"
+    di_rows(rows, "short")
+    assert main(["eval", str(rows), "-m", str(tiny_model_dir), "-o", str(tmp_path / "o"), "--truncate-state"]) == 2
+    error = json.loads(capsys.readouterr().out)["error"]
+    assert error["field"] == "truncate_state" and "never cut" in error["message"]
+    assert not (tmp_path / "o").exists()  # refused before any model ran
+
+
 def test_a_malformed_row_stops_eval_with_its_row_and_field(tiny_model_dir, tmp_path, capsys):
     rows = tmp_path / "rows.jsonl"
     good = di_rows(tmp_path / "x.gz", "short")
