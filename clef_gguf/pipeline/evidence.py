@@ -56,3 +56,11 @@ def parse_evidence(value: Any, field: str = "evidence") -> EvidenceSpec | None:
             raise errors.InvalidValue(f"'{field}.{key}' must be true or false (got {flags[key]!r})",
                                       field=f"{field}.{key}")
     return EvidenceSpec(top, mode, **flags)
+
+
+def with_evidence(request: Any, evidence: bool | dict[str, Any] | None) -> Any:
+    """``request`` with its ``"evidence"`` key set from Python's ``decide(evidence=)`` (None: as it
+    is); a request that is not an object is left for the parser to refuse."""
+    if evidence is not None and isinstance(request, dict):
+        return {**request, "evidence": evidence}
+    return request

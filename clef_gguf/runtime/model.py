@@ -25,6 +25,7 @@ from clef_gguf.media.sources import MediaPolicy
 from clef_gguf.media.support import MediaSupport, warnings as media_warnings
 from clef_gguf.pipeline import answer
 from clef_gguf.pipeline.encode import TEMPLATE_SHA256, Encoded, Encoder, Prepared
+from clef_gguf.pipeline.evidence import with_evidence
 from clef_gguf.pipeline.lexical import RowStore
 from clef_gguf.pipeline.request import parse_request
 from clef_gguf.runtime import engine, evidence, load as loader, stages
@@ -135,8 +136,7 @@ class Clef:
     def decide(self, request: Any, *, truncate_state: bool = False, strict: bool | None = None,
                evidence: bool | dict[str, Any] | None = None) -> dict:
         """``evidence``: the request's ``"evidence"`` key set from Python (docs/evidence.md)."""
-        if evidence is not None and isinstance(request, dict):
-            request = {**request, "evidence": evidence}
+        request = with_evidence(request, evidence)
         return self.run(self.prepare(request, truncate_state=truncate_state, strict=strict)).response
 
     def logits(self, enc: Encoded) -> np.ndarray:

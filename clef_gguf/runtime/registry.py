@@ -19,6 +19,7 @@ import numpy as np
 
 from clef_gguf.core import errors
 from clef_gguf.pipeline.encode import Prepared
+from clef_gguf.pipeline.evidence import with_evidence
 from clef_gguf.runtime import engine
 
 if TYPE_CHECKING:
@@ -186,7 +187,10 @@ class Models(Mapping[str, M]):
                 out[i] = outcome
         return [o for o in out if o is not None]
 
-    def decide(self, request: Any, *, truncate_state: bool = False, strict: bool | None = None) -> dict:
+    def decide(self, request: Any, *, truncate_state: bool = False, strict: bool | None = None,
+               evidence: bool | dict[str, Any] | None = None) -> dict:
+        """As ``Clef.decide``, routed by the request's ``model``; ``evidence`` as there."""
+        request = with_evidence(request, evidence)
         return self.run(self.prepare(request, truncate_state=truncate_state, strict=strict)).response
 
     def decide_many(self, requests: Iterable[Any], *, truncate_state: bool = False,

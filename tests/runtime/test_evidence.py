@@ -216,3 +216,19 @@ def test_each_occlusion_rerun_decodes_only_the_tokens_after_its_span(clef, monke
     # the shared decode ran up to the last span's first token, and no re-run decoded the whole state
     assert keep[2] <= len(ids.ids) and all(n < ids.n_tokens - ids.prefix_tokens for n in expected.values())
     assert sum(expected.values()) + keep[2] < len(ranges) * (ids.n_tokens - ids.prefix_tokens)
+
+
+def test_a_base_with_fine_tunes_takes_evidence_as_clef_does(tiny_model_dir, tiny_fine_tunes):
+    with Clef.load(tiny_model_dir, adapters=tiny_fine_tunes, max_length=2048, threads=2) as models:
+        assert not isinstance(models, Clef)  # the set of models, routed by the request's "model"
+        for name in (None, "a"):
+            body = request(TEXT_STATE, **({} if name is None else {"model": name}))
+            plain = models.decide(body)
+            out = models.decide(body, evidence={"mode": "occlusion", "top": 1})
+            assert json.dumps(out["answers"]) == json.dumps(plain["answers"]) and out["model"] == plain["model"]
+            assert out["evidence"]["mode"] == "occlusion" and out["evidence"]["reruns"] >= 1
+            assert out["evidence"] == models.decide({**body, "evidence": {"mode": "occlusion", "top": 1}})["evidence"]
+            assert bytes_of(models.decide(body, evidence=False)) == bytes_of(plain)
+        with pytest.raises(errors.InvalidValue) as refused:
+            models.decide(request(TEXT_STATE, model="a"), evidence={"top": 0})
+        assert refused.value.field == "evidence.top"
