@@ -568,7 +568,10 @@
     if ($("opt-truncate").checked) options.push(["truncate_state", {k: "b", v: true}]);
     if ($("opt-strict").checked) options.push(["strict", {k: "b", v: true}]);
     if (options.length) entries.push(["options", obj(options)]);
-    if ($("opt-evidence").value) entries.push(["evidence", obj([["mode", S($("opt-evidence").value)]])]);
+    if ($("opt-evidence").value) {
+      const grid = $("opt-evidence-grid").checked ? [["grid", {k: "b", v: true}]] : [];
+      entries.push(["evidence", obj([["mode", S($("opt-evidence").value)], ...grid])]);
+    }
     return obj(entries);
   }
 
@@ -592,6 +595,7 @@
     const evidence = get(node, "evidence");
     $("opt-evidence").value = !evidence || evidence.k === "z" || (evidence.k === "b" && !evidence.v) ? ""
       : text(get(evidence, "mode")) || "attention";
+    $("opt-evidence-grid").checked = !!evidence && evidence.k === "o" && !!(get(evidence, "grid") || {}).v;
     if (formView()) renderQuestions(); else showQuestionsJson();
     clearErrors();
     pickModelOf(node);

@@ -45,6 +45,23 @@
     return e;
   }
 
+  // A picture's patch grid (row by row, as the API gives it) as a small heat map: each cell's colour
+  // scaled to the picture's strongest patch, so that where it looked shows even when its share is small.
+  function heatMap(picture, number) {
+    const most = Math.max(...picture.grid.flat(), 1e-12);
+    const figure = el("figure", {class: "evidence-heatmap"});
+    const cells = el("div", {class: "evidence-grid", role: "img",
+      "aria-label": "Picture #" + number + ": attention over its " + picture.rows + " × " + picture.cols + " patches"});
+    cells.style.setProperty("--cols", String(picture.cols));
+    picture.grid.forEach((row, r) => row.forEach((x, c) => {
+      const cell = el("span", {title: "row " + (r + 1) + ", column " + (c + 1) + ": " + pct(x)});
+      cell.style.setProperty("--heat", String(x / most));
+      cells.append(cell);
+    }));
+    figure.append(cells, el("figcaption", {}, "#" + number + " " + pct(picture.share)));
+    return figure;
+  }
+
   // evidence: the response's "evidence" block as plain JSON; stateText: the rendered state.
   function show(container, stateText, evidence, qid) {
     container.replaceChildren();
@@ -79,6 +96,12 @@
     if (block.pictures) {
       container.append(el("p", {class: "evidence-pictures"},
         "Pictures: " + block.pictures.map((p, i) => "#" + (i + 1) + " " + pct(p.share)).join(", ")));
+      const maps = block.pictures.map((p, i) => p.grid && heatMap(p, i + 1)).filter(Boolean);
+      if (maps.length) {
+        const row = el("div", {class: "evidence-heatmaps"});
+        row.append(...maps);
+        container.append(row);
+      }
     }
     if (evidence.reruns !== undefined) {
       container.append(el("p", {class: "hint"}, "Occlusion: " + evidence.reruns + " re-runs, one per span without it."));
