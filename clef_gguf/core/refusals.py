@@ -56,7 +56,12 @@ def too_many_questions(n: int) -> str:
     return f"at most {MAX_QUESTIONS} questions per request (got {n}): the canvas holds {MAX_QUESTIONS} questions"
 
 
+def request_size(refusal: str) -> str:
+    """A body or a batch over the server's size limits: ``refusal`` with its numbers."""
+    return f"{refusal}: too many tokens for one request"
+
+
 def canvas(refusal: str, holds: str) -> str:
     """A picture or video over one of the media budgets: ``refusal`` with its numbers, ``holds`` the limit
-    ("1003520 pixels", "64 images or video frames")."""
+    ("1003520 pixels", "64 images or video frames", "20000000 bytes per image")."""
     return f"{refusal}: the canvas holds {holds}"

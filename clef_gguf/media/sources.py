@@ -182,7 +182,8 @@ def fetch_url(url: str, policy: MediaPolicy, field: str, kind: str = "image") ->
     except (OSError, ValueError) as exc:
         raise errors.InvalidMedia(f"fetching the {kind} URL failed: {exc}", field=field) from None
     if size > policy.url_max_bytes:
-        raise errors.MediaTooLarge(f"the {kind} URL's body exceeds {policy.url_max_bytes} bytes", field=field)
+        raise errors.MediaTooLarge(refusals.canvas(f"the {kind} URL's body exceeds {policy.url_max_bytes} bytes",
+                                                   f"{policy.url_max_bytes} bytes per {kind}"), field=field)
     return b"".join(chunks)
 
 
@@ -246,7 +247,8 @@ def _read_allowed(path: Path, roots: tuple[Path, ...], field: str, max_bytes: in
         except OSError as exc:
             raise errors.InvalidMedia(f"cannot read the image file: {exc.strerror}", field=field) from None
     if len(data) > max_bytes:
-        raise errors.MediaTooLarge(f"the image file exceeds {max_bytes} bytes", field=field)
+        raise errors.MediaTooLarge(refusals.canvas(f"the image file exceeds {max_bytes} bytes",
+                                                   f"{max_bytes} bytes per image"), field=field)
     return data
 
 
@@ -314,12 +316,17 @@ def open_source(source: str, policy: MediaPolicy, field: str, kind: str = "video
         raise errors.InvalidMedia(f"cannot read the {kind} file: {exc.strerror}", field=field) from None
 
 
+def _bomb(exc: Exception, policy: MediaPolicy, field: str) -> errors.MediaTooLarge:
+    return errors.MediaTooLarge(refusals.canvas(f"the image is a decompression bomb: {str(exc).rstrip('.')}",
+                                                f"{policy.max_pixels} pixels"), field=field)
+
+
 def decode_image(data: bytes, policy: MediaPolicy, field: str) -> PIL.Image.Image:
     """Encoded bytes -> a fully loaded, EXIF-rotated RGB image (alpha dropped, not blended)."""
     try:
         image = PIL.Image.open(io.BytesIO(data))
     except PIL.Image.DecompressionBombError as exc:
-        raise errors.MediaTooLarge(f"the image is a decompression bomb: {exc}", field=field) from None
+        raise _bomb(exc, policy, field) from None
     except (OSError, SyntaxError, ValueError, EOFError):
         raise errors.InvalidMedia("not an image in a format we decode (PNG, JPEG, GIF, WebP)",
                                   field=field) from None
@@ -343,7 +350,7 @@ def decode_image(data: bytes, policy: MediaPolicy, field: str) -> PIL.Image.Imag
             rgb = upright.convert("RGB")
             rgb.load()
         except PIL.Image.DecompressionBombError as exc:
-            raise errors.MediaTooLarge(f"the image is a decompression bomb: {exc}", field=field) from None
+            raise _bomb(exc, policy, field) from None
         except (OSError, SyntaxError, ValueError, EOFError, IndexError):
             raise errors.InvalidMedia("the image data is corrupt or truncated", field=field) from None
     if rgb.width < 1 or rgb.height < 1:

@@ -159,6 +159,7 @@ def _read_frames(container: InputContainer, wanted: Sequence[int], policy: Media
                                                            f"{policy.max_pixels} pixels"), field=field)
             frames.append(frame.to_ndarray(format="rgb24"))
         if time.monotonic() > deadline:
-            raise errors.MediaTooLarge(f"decoding the video took over {policy.video_decode_s:g} s "
-                                       f"({i + 1} frames decoded)", field=field)
+            raise errors.MediaTooLarge(refusals.canvas(f"decoding the video took over {policy.video_decode_s:g} s "
+                                                       f"({i + 1} frames decoded)",
+                                                       f"what decodes in {policy.video_decode_s:g} s"), field=field)
     return frames

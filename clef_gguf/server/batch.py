@@ -19,7 +19,7 @@ from typing import Any
 import pydantic
 
 from clef_gguf.runtime import engine
-from clef_gguf.core import errors
+from clef_gguf.core import errors, refusals
 from clef_gguf.core.errors import ClefError
 from clef_gguf.media.sources import MediaPolicy
 from clef_gguf.pipeline import answer
@@ -130,7 +130,7 @@ def _whole_batch_error(exc: pydantic.ValidationError, where: str, count: int | N
 
 
 def _too_many(where: str, count: int, max_items: int) -> errors.TooManyInputs:
-    return errors.TooManyInputs(f"at most {max_items} inputs per batch (got {count})",
+    return errors.TooManyInputs(refusals.request_size(f"at most {max_items} inputs per batch (got {count})"),
                                 field=where)
 
 

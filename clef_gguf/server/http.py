@@ -20,7 +20,7 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from clef_gguf.core import errors
+from clef_gguf.core import errors, refusals
 from clef_gguf.core.errors import ClefError
 from clef_gguf.pipeline.request import parse_json
 
@@ -69,13 +69,14 @@ async def read_json(request: Request, max_bytes: int) -> Any:
         if not length.isdigit():
             raise errors.InvalidContentLength("Content-Length is not a number")
         if int(length) > max_bytes:
-            raise errors.BodyTooLarge(f"the body is {int(length)} bytes; the limit is {max_bytes}")
+            raise errors.BodyTooLarge(refusals.request_size(f"the body is {int(length)} bytes; "
+                                                            f"the limit is {max_bytes}"))
     chunks, size = [], 0
     try:
         async for chunk in request.stream():
             size += len(chunk)
             if size > max_bytes:
-                raise errors.BodyTooLarge(f"the body exceeds the limit of {max_bytes} bytes")
+                raise errors.BodyTooLarge(refusals.request_size(f"the body exceeds the limit of {max_bytes} bytes"))
             chunks.append(chunk)
     except ClientDisconnect:  # gone mid-body: nobody to answer, and no server fault to log
         note(request, client_gone=True)
