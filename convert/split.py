@@ -5,6 +5,7 @@
 ``joint_head.safetensors`` / ``joint_head_config.json`` in the release's names, undoing upstream's
 folding of the three learned scalars, so ``heads.JointSchemaHead`` computes the reference's logits.
 Each per-tensor undo step sits beside the row of the table below that it inverts.
+Past 400 lines because of this docstring: the table and its sources stay beside the code that inverts them.
 
 Upstream layout (R = routing_layers, i < R; L = layers, l < L; ``{p}`` = weight and bias)
 --------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ NVFP4 checkpoints (the nvfp4 backend, PyTorch on CUDA) are listed beside the GGU
 chosen by ``auto``: on a GPU with FP4 tensor cores (Blackwell) a W4A4 checkpoint runs FP4 GEMMs;
 elsewhere, and W4A16 everywhere, the backend dequantizes one layer at a time. Either way the packed
 weights stay 4-bit in memory, which is what their need is budgeted for.
+Past 400 lines because the policy's steps (need, candidates, choice, reasons) read in one place.
 """
 
 from __future__ import annotations

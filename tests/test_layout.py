@@ -38,7 +38,7 @@ LOWER |= {  # the applications, on top
     "server": _BELOW_APPS | {"bulk"},
     "evaluate": _BELOW_APPS | {"bulk"},
     "agent": _BELOW_APPS | {"bulk"},  # clef-gguf mcp (bulk: its optional-dependency check)
-    "pick": _BELOW_APPS,  # pick (the speed probe, an eval's evidence), pull, list
+    "pick": _BELOW_APPS,  # pick (the speed probe, the quality judged from an eval's summary), pull, list
     "tools": _BELOW_APPS | {"bulk", "server", "evaluate"},
     "cli": _BELOW_APPS | {"bulk", "server", "evaluate", "agent", "pick", "tools"},
 }
@@ -267,3 +267,10 @@ def test_the_architecture_page_names_every_module():
     missing = sorted(rel for path in MODULES.values() if path.name not in ("__init__.py", "__main__.py")
                      and (rel := path.relative_to(ROOT).as_posix().removeprefix("clef_gguf/")) not in named)
     assert not missing, f"docs/architecture.md does not name {missing}"
+
+
+def test_a_module_over_400_lines_says_why_in_its_docstring():
+    unexplained = [name for name, path in MODULES.items()
+                   if len(text := path.read_text(encoding="utf-8").splitlines()) > 400
+                   and "400 lines" not in (ast.get_docstring(ast.parse("\n".join(text))) or "")]
+    assert not unexplained, f"{unexplained}: split the module, or give its docstring a one-line reason"
