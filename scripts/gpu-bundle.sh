@@ -1,25 +1,29 @@
 #!/usr/bin/env bash
 # Everything an offline GPU host needs for scripts/gpu-check.sh, made on a machine that reaches PyPI:
-#   bash scripts/gpu-bundle.sh DIR [--cuda-arch 90] [--llama-wheel FILE] [--python-version 3.12] [--find-links D]
+#   bash scripts/gpu-bundle.sh DIR [--cuda-arch 90] [--cmake-args "..."] [--llama-wheel FILE] [--python-version 3.12]
+#                                  [--find-links D]
 # DIR/whl gets:
 #   - llama-cpp-python built for CUDA from PyPI's sdist (~30 min on 2 cores for one architecture), or the
 #     prebuilt wheel --llama-wheel names. The build's nvcc: $CUDA_HOME/bin/nvcc (default /usr/local/cuda),
 #     else the nvidia-cuda-nvcc wheel; cuBLAS: the nvidia-cublas wheel. CMake flags (docs/gpu.md):
-#     -DGGML_CUDA=ON -DGGML_CUDA_NO_VMM=ON -DCMAKE_CUDA_ARCHITECTURES=<arch> -DLLAVA_BUILD=OFF
-#   - this project's wheel (installed --no-deps), and the wheels a GPU image with torch may lack, at the
-#     versions requirements/test.txt pins, for the host's Python (--python-version, default 3.12);
+#     -DGGML_CUDA=ON -DGGML_CUDA_NO_VMM=ON -DCMAKE_CUDA_ARCHITECTURES=<arch> -DLLAVA_BUILD=OFF, then --cmake-args
+#     (e.g. "-DGGML_CUDA_FORCE_CUBLAS=ON");
+#   - this project's wheel, and every wheel it needs (its dependencies and the nvfp4 extra, transitively,
+#     less the image's torch and numpy: scripts/gpu_bundle_wheels.py) at the versions requirements/test.txt
+#     pins, for the host's Python (--python-version, default 3.12); all install there with --no-deps;
 #   - nvidia-cublas (the llama.cpp build's cuBLAS at run time, where the image's torch has another).
 # DIR/BUILD.json says what was built and how. --find-links D: take the wheels from folder D, not PyPI.
 set -euo pipefail
 py="${PYTHON:-python3}"  # the Python whose pip builds and downloads
 root="$(cd "$(dirname "$0")/.." && pwd)"
-usage() { echo "usage: bash scripts/gpu-bundle.sh DIR [--cuda-arch N] [--llama-wheel FILE] [--python-version X.Y] [--find-links DIR]" >&2; exit 2; }
+usage() { echo "usage: bash scripts/gpu-bundle.sh DIR [--cuda-arch N] [--cmake-args FLAGS] [--llama-wheel FILE] [--python-version X.Y] [--find-links DIR]" >&2; exit 2; }
 [ $# -ge 1 ] && [ "${1#-}" = "$1" ] || usage
 out="$(mkdir -p "$1" && cd "$1" && pwd)"; shift
-arch=90 llama_wheel="" pyver=3.12 links=()
+arch=90 llama_wheel="" pyver=3.12 links=() extra_cmake=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --cuda-arch) arch="${2:?--cuda-arch needs a value such as 90}"; shift 2 ;;
+    --cmake-args) extra_cmake="${2?--cmake-args needs FLAGS such as -DGGML_CUDA_FORCE_CUBLAS=ON}"; shift 2 ;;
     --llama-wheel) llama_wheel="$(realpath "${2:?--llama-wheel needs a FILE}")"; shift 2 ;;
     --python-version) pyver="${2:?--python-version needs X.Y}"; shift 2 ;;
     --find-links) links=(--no-index --find-links "$(realpath "${2:?--find-links needs a folder}")"); shift 2 ;;
@@ -29,18 +33,20 @@ done
 [[ "$arch" =~ ^[0-9]+[a-z]?(;[0-9]+[a-z]?)*$ ]] || { echo "gpu-bundle: --cuda-arch $arch is not a CUDA architecture list (90, 89;90)" >&2; exit 2; }
 [[ "$pyver" =~ ^3\.[0-9]+$ ]] || { echo "gpu-bundle: --python-version $pyver is not X.Y" >&2; exit 2; }
 if [ -n "$llama_wheel" ] && [ ! -f "$llama_wheel" ]; then echo "gpu-bundle: no file $llama_wheel" >&2; exit 2; fi
+if [ -n "$llama_wheel" ] && [ -n "$extra_cmake" ]; then
+  echo "gpu-bundle: --cmake-args applies to the CUDA build, not to a prebuilt --llama-wheel" >&2; exit 2
+fi
+for f in $extra_cmake; do
+  [[ "$f" =~ ^-D[A-Za-z_][A-Za-z0-9_]*(:[A-Z]+)?=[^[:space:]]*$ ]] \
+    || { echo "gpu-bundle: --cmake-args: $f is not a -DNAME=VALUE flag" >&2; exit 2; }
+done
 mkdir -p "$out/whl"
 rm -f "$out"/whl/*.whl
-pinned() {  # NAME -> NAME==VERSION as requirements/test.txt (or pyproject.toml) pins it
-  local line
-  line="$(grep -ih -m1 "^$1==" "$root/requirements/test.txt")" \
-    || line="$(grep -oi -m1 "\"$1==[^\"]*\"" "$root/pyproject.toml" | tr -d '"')" \
-    || { echo "gpu-bundle: $1 is not pinned in requirements/test.txt" >&2; exit 1; }
-  echo "$line"
-}
 CUBLAS="nvidia-cublas==13.0.0.19"
-llama="$(pinned llama-cpp-python)"
-flags="-DGGML_CUDA=ON -DGGML_CUDA_NO_VMM=ON -DCMAKE_CUDA_ARCHITECTURES=$arch -DLLAVA_BUILD=OFF"
+# Assignments: a package with no pin stops the script here (set -e), naming it, before anything is built.
+llama="$("$py" "$root/scripts/gpu_bundle_wheels.py" --pin llama-cpp-python)"
+wheels="$("$py" "$root/scripts/gpu_bundle_wheels.py")"
+flags="-DGGML_CUDA=ON -DGGML_CUDA_NO_VMM=ON -DCMAKE_CUDA_ARCHITECTURES=$arch -DLLAVA_BUILD=OFF${extra_cmake:+ $extra_cmake}"
 if [ -n "$llama_wheel" ]; then
   cp "$llama_wheel" "$out/whl/"
   built="prebuilt: $(basename "$llama_wheel")"
@@ -65,15 +71,8 @@ if [ ${#links[@]} -gt 0 ]; then isolation=(--no-build-isolation); fi
 major="${pyver%%.*}" minor="${pyver#*.}"
 plat=(--only-binary=:all: --python-version "$pyver" --implementation cp --abi "cp$major$minor" --abi abi3 --abi none
       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
-# serve and bench-server (fastapi imports annotated-doc and opentelemetry-api at load), llama-cpp-python's
-# diskcache, the GGUF reader; fla-core (the nvfp4 backend's Triton kernels, pure Python) and its einops
-for p in fastapi starlette uvicorn h11 anyio sniffio click prometheus-client httpx httpcore certifi idna \
-         annotated-doc opentelemetry-api filelock diskcache gguf; do
-  "$py" -m pip download -q "${links[@]}" --no-deps "${plat[@]}" -d "$out/whl" "$(pinned "$p")"
-done
-for spec in fla-core==0.6.0 einops==0.8.1 "$CUBLAS"; do
-  "$py" -m pip download -q "${links[@]}" --no-deps "${plat[@]}" -d "$out/whl" "$spec"
-done
+mapfile -t specs <<<"$wheels"
+"$py" -m pip download -q "${links[@]}" --no-deps "${plat[@]}" -d "$out/whl" "${specs[@]}" "$CUBLAS"
 "$py" - "$out" "$arch" "$pyver" "$built" <<'EOF'
 import json, pathlib, sys
 out, arch, pyver, built = sys.argv[1:]

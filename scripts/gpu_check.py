@@ -20,7 +20,7 @@ import datetime
 import importlib.util
 import json
 import os
-import selectors
+import queue
 import signal
 import subprocess
 import sys
@@ -32,6 +32,8 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_rows  # noqa: E402 - beside this script, not a package
+
+from clef_gguf.core.children import LineReader  # noqa: E402
 
 SCHEMA = "clef-gguf-gpu-check/2"
 STATUSES = ("passed", "failed", "measured", "skipped", "cut")
@@ -107,8 +109,7 @@ def run_row(name: str, work: Path, dry: bool, left: float, entry: dict, save: Ca
                             start_new_session=True, env=env)
     end = clock() + left
     final: dict | None = None
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
+    lines = LineReader(proc.stdout)
     cut = False
     try:
         while True:
@@ -116,10 +117,11 @@ def run_row(name: str, work: Path, dry: bool, left: float, entry: dict, save: Ca
             if remaining <= 0:
                 cut = True
                 break
-            if not sel.select(timeout=min(remaining, 1.0)):
+            try:
+                line = lines.get(min(remaining, 1.0))
+            except queue.Empty:
                 continue
-            line = proc.stdout.readline()
-            if not line:
+            if line is None:
                 break
             try:
                 msg = json.loads(line)
@@ -131,13 +133,13 @@ def run_row(name: str, work: Path, dry: bool, left: float, entry: dict, save: Ca
             elif isinstance(msg, dict) and "status" in msg:
                 final = msg
     finally:
-        sel.close()
         if not cut:  # the row's last line is out: let it exit by itself before its group is ended
             try:
                 proc.wait(max(0.0, min(end - clock(), 30.0)))
             except subprocess.TimeoutExpired:
                 pass
         _end_group(proc)
+        lines.join(5.0)  # the group is gone: the pipe's writers with it, so the reader sees its end
         proc.stdout.close()
     err.seek(0)
     stderr = err.read().strip()

@@ -24,14 +24,12 @@ from typing import Any, Callable
 
 import numpy as np
 
-TOKENS = (466, 1986)  # the targets' lengths
 DRY_TOKENS = (64, 160)  # the dry run's: the tiny model's code paths, in seconds
 REPEAT = 5
 PARITY_GOAL = 1e-5  # GPU vs CPU: the goal, reported
 PARITY_FAIL = 1e-3  # GPU vs CPU: a failure past this (or an argmax that changes)
 SERVE_CLIENTS = 64
 SERVE_TOKENS = 500
-SERVE_TOLERANCE = 1e-4  # packed vs one at a time through serve on a GPU (the CPU: byte-identical)
 TARGETS = {"head_ms": 2.0, "tower_ms_466": 25.0, "decisions_per_s_64": 60.0, "pick_ratio": (0.75, 1.25)}
 MEASURE = "measure"  # the key of a measurement line on a row's stdout
 
@@ -42,7 +40,7 @@ def record(key: str, value: Any) -> Any:
     return value
 
 
-def _gpu(dry: bool) -> dict[str, Any]:
+def placement(dry: bool) -> dict[str, Any]:
     """The placement a row asks for: everything on the GPU, or (dry run) on the CPU."""
     return {"gpu_layers": 0, "head_device": "cpu"} if dry else {"gpu_layers": "all", "head_device": "auto"}
 
@@ -67,8 +65,11 @@ def tiny_model(work: Path) -> Path:
     return _once(work, "tiny-f32", lambda out: convert_release(build_release(work / "tiny-release"), out))
 
 
-def tokens(dry: bool) -> tuple[int, int]:
-    return DRY_TOKENS if dry else TOKENS
+def tokens(dry: bool) -> tuple[int, ...]:
+    """The prompt lengths measured: tune's (the targets' 466 and 1,986), or the dry run's."""
+    from clef_gguf.tools.tune import DEFAULT_LENGTHS
+
+    return DRY_TOKENS if dry else DEFAULT_LENGTHS
 
 
 def big_model(work: Path, dry: bool, outtype: str = "Q4_K_M", layers: int | None = None) -> Path:
@@ -79,6 +80,44 @@ def big_model(work: Path, dry: bool, outtype: str = "Q4_K_M", layers: int | None
     layers = None if dry else layers
     return _once(work, f"{preset}-{layers or 'all'}-{outtype}",
                  lambda out: build_random_model(out, preset=preset, outtype=outtype, layers=layers))
+
+
+def missing_distributions(root: str = "clef-gguf", extras: tuple[str, ...] = ("nvfp4",),
+                          also: tuple[str, ...] = ("httpx",)) -> list[str]:
+    """What ``root`` with ``extras`` (and ``also``: bench-server's client) needs, transitively, that this
+    Python lacks or has at a version outside the range asked: the bundle installs with ``--no-deps``."""
+    from importlib import metadata
+
+    try:
+        from packaging.requirements import Requirement
+    except ImportError as exc:
+        return [f"packaging ({exc})"]
+    todo: list[tuple[str, tuple[str, ...]]] = [(root, extras), *((name, ()) for name in also)]
+    seen: set[str] = set()
+    missing: list[str] = []
+    while todo:
+        name, wanted = todo.pop()
+        if name.lower() in seen:
+            continue
+        seen.add(name.lower())
+        try:
+            requires = metadata.requires(name) or []
+        except metadata.PackageNotFoundError:
+            missing.append(f"{name} (not installed)")
+            continue
+        for text in requires:
+            req = Requirement(text)
+            if req.marker is not None and not any(req.marker.evaluate({"extra": e}) for e in ("", *wanted)):
+                continue
+            try:
+                version = metadata.version(req.name)
+            except metadata.PackageNotFoundError:
+                missing.append(f"{req.name} (not installed; {name} needs it)")
+                continue
+            if req.specifier and not req.specifier.contains(version, prereleases=True):
+                missing.append(f"{req.name} {version} (not {req.specifier}; {name} needs it)")
+            todo.append((req.name, tuple(req.extras)))
+    return sorted(set(missing))
 
 
 # ------------------------------------------------------------------------------------------------ rows
@@ -104,7 +143,8 @@ def preflight(work: Path, dry: bool) -> dict:
     for key in ("cuda", "device", "llama_backends"):
         record(key, data[key])
     ok = dry or (data["cuda"] and bool(data["llama_backends"]))
-    missing = [k for k in ("fastapi", "uvicorn", "gguf") if str(found[k]).startswith("missing")]
+    missing = missing_distributions()  # every dependency, as the bundle's --no-deps install left them
+    data["distributions_missing"] = record("distributions_missing", missing)
     return {"status": "passed" if ok and not missing else "failed", **data,
             **({"reason": f"missing {missing}"} if missing else {})}
 
@@ -125,7 +165,7 @@ def parity(work: Path, dry: bool) -> dict:
     from clef_gguf.convert.samples import SAMPLE_REQUESTS
 
     model = tiny_model(work)
-    gpu = _gpu(dry)
+    gpu = placement(dry)
     sides = {"cpu": {"gpu_layers": 0, "head_device": "cpu"}, "head_on_gpu": gpu,
              "head_on_cpu": {**gpu, "head_device": "cpu"}}
     probs, placed = {}, {}
@@ -147,12 +187,14 @@ def parity(work: Path, dry: bool) -> dict:
             "within_goal": worst <= PARITY_GOAL, "fails_past": PARITY_FAIL, "placed": placed}
 
 
-def _latency(model: Path, dry: bool, lengths: tuple[int, ...] | None = None, key: str = "", **load: Any) -> dict:
+def latency_by_length(model: Path, dry: bool, lengths: tuple[int, ...] | None = None, key: str = "",
+                      **load: Any) -> dict:
+    """Per stage, the spread of one decision at each length (default: ``tokens``), each recorded."""
     from clef_gguf import Clef
     from clef_gguf.tools.bench import sized_request
 
     out: dict[str, Any] = {}
-    with Clef.load(model, state_cache_mb=0, max_length=4096, **_gpu(dry), **load) as clef:
+    with Clef.load(model, state_cache_mb=0, max_length=4096, **placement(dry), **load) as clef:
         for n in lengths or tokens(dry):
             request = sized_request(clef, n)
             clef.decide(request)  # warm-up: kernels chosen, buffers made, the prefix kept
@@ -171,7 +213,7 @@ def latency(work: Path, dry: bool) -> dict:
     t0 = time.perf_counter()
     model = big_model(work, dry)
     record("model_write_s", round(time.perf_counter() - t0, 1))
-    data = _latency(model, dry)
+    data = latency_by_length(model, dry)
     first = data[str(tokens(dry)[0])]
     return {"status": "measured", "by_tokens": data, "targets": TARGETS,
             "head_ms_466": first["head_ms"]["median"], "tower_ms_466": first["tower_ms"]["median"]}
@@ -180,16 +222,17 @@ def latency(work: Path, dry: bool) -> dict:
 def throughput(work: Path, dry: bool) -> dict:
     """Decisions/s: distinct ~500-token requests through decide_many at pack 1, 4 and 16, then
     ``SERVE_CLIENTS`` concurrent clients sending ~500-token requests through ``serve`` (bench-server,
-    state cache off): decisions/s and p50/p95, each answer held to ``SERVE_TOLERANCE`` of one at a time
-    on a GPU (byte-identical on the CPU)."""
+    state cache off): decisions/s and p50/p95, each answer held to ``limits.GPU_MAX_DP`` of one at a time
+    on a GPU (byte-identical on the CPU: bench-server decides from the server's placement)."""
     from clef_gguf import Clef
     from clef_gguf.core.children import module_command
+    from clef_gguf.core.limits import GPU_MAX_DP
     from clef_gguf.tools.bench import sized_request
 
     model = big_model(work, dry)
     count = 6 if dry else SERVE_CLIENTS
     packs = {}
-    with Clef.load(model, state_cache_mb=0, max_length=4096, **_gpu(dry)) as clef:
+    with Clef.load(model, state_cache_mb=0, max_length=4096, **placement(dry)) as clef:
         base = sized_request(clef, 100 if dry else SERVE_TOKENS)
         requests = [{**base, "state": f"{i}: {base['state']}"} for i in range(count)]
         list(clef.decide_many(requests[:2]))  # warm-up
@@ -203,13 +246,11 @@ def throughput(work: Path, dry: bool) -> dict:
     cmd = module_command("clef_gguf.cli", "bench-server", "--model", str(model), "--json", "--state-cache-mb", "0",
                          "--requests", str(count), "--tokens", str(100 if dry else SERVE_TOKENS),
                          "--concurrency", *map(str, levels))
-    if not dry:
-        cmd += ["--tolerance", str(SERVE_TOLERANCE)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     served = json.loads(proc.stdout) if proc.returncode == 0 else {"error": proc.stderr[-500:]}
     record("serve", served)
     return {"status": "measured" if proc.returncode == 0 else "failed", "decide_many_per_s": packs,
-            "serve": served, "tolerance": 0.0 if dry else SERVE_TOLERANCE, "targets": TARGETS}
+            "serve": served, "tolerance": 0.0 if dry else GPU_MAX_DP, "targets": TARGETS}
 
 
 def pick(work: Path, dry: bool) -> dict:
@@ -221,7 +262,7 @@ def pick(work: Path, dry: bool) -> dict:
     from clef_gguf.tools.bench import sized_request
 
     model = big_model(work, dry)
-    with Clef.load(model, state_cache_mb=0, **_gpu(dry)) as clef:
+    with Clef.load(model, state_cache_mb=0, **placement(dry)) as clef:
         request = sized_request(clef, 100 if dry else speed.DEFAULT_TOKENS)
         encoded = clef.prepare(request).encoded
         clef.decide(request)

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from gpu_rows import _gpu, _latency, record, tokens  # beside this script
+from gpu_rows import latency_by_length, placement, record, tokens  # beside this script
 
 GGUF_BAR = 1e-2  # the NVFP4 GGUF against the PyTorch backend: the target, reported (the tiny model misses it)
 # bf16 backend vs bf16 reference: the same weights through the same layers, so only the order of bf16
@@ -72,12 +72,12 @@ def nvfp4(work: Path, dry: bool) -> dict:
               "Q4_K_M": convert_release(release, work / f"{preset}-q4", outtype="Q4_K_M")}
     record("models_s", round(time.perf_counter() - t0, 1))
     first = tokens(dry)[0]
-    times = {name: _latency(path, dry, (first,), key=f"latency/{name}/")[str(first)]["total_ms"]
+    times = {name: latency_by_length(path, dry, (first,), key=f"latency/{name}/")[str(first)]["total_ms"]
              for name, path in models.items()}
-    probs = {name: _probabilities(path, **_gpu(dry))[0] for name, path in models.items()}
+    probs = {name: _probabilities(path, **placement(dry))[0] for name, path in models.items()}
     vs_backend = {name: record(f"max_abs_dp_vs_pytorch/{name}", _max_dp(probs[name], probs["pytorch-nvfp4a16"]))
                   for name in ("nvfp4-gguf", "Q4_K_M")}
-    gpu_fp32, gpu_kernels = _probabilities(checkpoint, nvfp4_dtype="fp32", **_gpu(dry))
+    gpu_fp32, gpu_kernels = _probabilities(checkpoint, nvfp4_dtype="fp32", **placement(dry))
     proc = subprocess.run([sys.executable, __file__, str(checkpoint)], capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         return {"status": "failed", "reason": f"the CPU half: exit {proc.returncode}: {proc.stderr[-1500:]}"}
@@ -111,7 +111,7 @@ def _bf16_vs_reference(release: Path, checkpoint: Path, dry: bool) -> dict[str, 
     ref = reference.reference_model(release, Checkpoint(checkpoint / files.CHECKPOINT_CONFIG),
                                     dtype=torch.bfloat16, device="cpu" if dry else "cuda")
     worst_dp = worst_hidden = 0.0
-    with Clef.load(checkpoint, state_cache_mb=0, nvfp4_dtype="bf16", **_gpu(dry)) as clef:
+    with Clef.load(checkpoint, state_cache_mb=0, nvfp4_dtype="bf16", **placement(dry)) as clef:
         for request in SAMPLE_REQUESTS:
             enc = clef.prepare(request).encoded
             ours, theirs = clef.tower.hidden_states(enc.ids), reference.reference_hidden_states(ref, enc.ids)
@@ -129,7 +129,7 @@ def _packing(checkpoint: Path, dry: bool) -> dict[str, Any]:
 
     count = 6 if dry else 32
     rates: dict[str, Any] = {}
-    with Clef.load(checkpoint, state_cache_mb=0, **_gpu(dry)) as clef:
+    with Clef.load(checkpoint, state_cache_mb=0, **placement(dry)) as clef:
         base = sized_request(clef, 100 if dry else tokens(dry)[0])
         requests = [{**base, "state": f"{i}: {base['state']}"} for i in range(count)]
         list(clef.decide_many(requests[:2]))  # warm-up

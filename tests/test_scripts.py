@@ -169,6 +169,19 @@ def stuck(work, dry):
 
 ROWS = (Row("quick", quick, 1), Row("stuck", stuck, 1))
 '''
+BURST_ROWS = '''
+import json, sys, time
+from gpu_rows import Row
+
+def burst(work, dry):
+    a, b = ({"measure": key, "value": value} for key, value in (("a", 1), ("b", 2)))
+    sys.stdout.write(json.dumps(a) + "\\n" + json.dumps(b) + "\\n")
+    sys.stdout.flush()  # two lines in one write: one read of the pipe takes both
+    time.sleep(300)
+    return {"status": "measured"}
+
+ROWS = (Row("burst", burst, 1),)
+'''
 
 
 def _gone(pid: int) -> bool:
@@ -225,6 +238,33 @@ def test_with_a_fake_clock_the_deadline_cuts_a_row_after_its_second_measurement(
     assert _gone(int((tmp_path / "pid").read_text()))
 
 
+def test_lines_that_arrive_together_are_all_kept_before_the_deadline(tmp_path):
+    """Two measurements in one write of the pipe: both reach the report although the row then hangs
+    until the deadline cuts it (a select() on the buffered stream saw only the first)."""
+    rows = tmp_path / "rows.py"
+    rows.write_text(BURST_ROWS)
+    entry: dict = {}
+    result = gpu_check.run_row("burst", tmp_path, True, 8, entry, lambda: None, str(rows))
+    assert result["status"] == "cut" and entry["measured"] == {"a": 1, "b": 2}, (result, entry)
+
+
+def test_preflight_names_every_missing_or_unfit_dependency(tmp_path, monkeypatch):
+    """The bundle installs --no-deps: preflight walks clef-gguf's requirements (and their own) and names
+    what is not installed or not at a version asked for."""
+    assert gpu_check.gpu_rows.missing_distributions() == []  # this environment has the whole closure
+    info = tmp_path / "fake_dist-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fake-dist\nVersion: 1.0\n"
+                                   "Requires-Dist: no-such-dist-xyz>=1\nRequires-Dist: pytest<1\n"
+                                   "Requires-Dist: another-missing; extra == 'unused'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    missing = gpu_check.gpu_rows.missing_distributions("fake-dist", (), ())
+    assert missing[0].startswith("no-such-dist-xyz (not installed; fake-dist needs it)")
+    assert missing[1].startswith("pytest ") and "(not <1; fake-dist needs it)" in missing[1] and len(missing) == 2
+    assert gpu_check.gpu_rows.missing_distributions("clef-gguf", (), ("absent-dist-xyz",)) == [
+        "absent-dist-xyz (not installed)"]
+
+
 def test_a_row_that_fails_is_reported_so_and_fails_the_check(tmp_path):
     entry: dict = {}
     crashed = gpu_check.run_row("no-such-row", tmp_path, True, 120, entry, lambda: None)  # the child raises
@@ -273,12 +313,44 @@ def _wheel(folder: Path, name: str, version: str, files: dict[str, str] | None =
     return path
 
 
+def _bundle_wheels():
+    spec = importlib.util.spec_from_file_location("gpu_bundle_wheels", ROOT / "scripts" / "gpu_bundle_wheels.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _pins() -> list[tuple[str, str]]:
-    names = ("fastapi starlette uvicorn h11 anyio sniffio click prometheus-client httpx httpcore certifi idna "
-             "annotated-doc opentelemetry-api filelock diskcache gguf").split()
-    text = (ROOT / "requirements" / "test.txt").read_text().lower()
-    pins = [(n, next(line.split("==")[1] for line in text.splitlines() if line.startswith(f"{n}=="))) for n in names]
-    return pins + [("fla-core", "0.6.0"), ("einops", "0.8.1"), ("nvidia-cublas", "13.0.0.19")]
+    return [tuple(w.split("==")) for w in _bundle_wheels().wheels()] + [("nvidia-cublas", "13.0.0.19")]
+
+
+def test_the_bundle_lists_every_dependency_and_what_they_need():
+    """Every [project].dependencies entry and the nvfp4 extra, with their own needs (pydantic's core, the
+    hub's client), pinned as requirements/test.txt pins them; never torch or numpy (the image's)."""
+    bw = _bundle_wheels()
+    names = {n for n, _ in _pins()}
+    assert set(bw.roots()) - names == {"torch", "numpy", "llama-cpp-python"}
+    assert {"tokenizers", "safetensors", "huggingface-hub", "pydantic", "pydantic-core", "annotated-types", "psutil",
+            "tqdm", "pillow", "av", "transformers", "compressed-tensors", "fastapi", "diskcache", "httpx"} <= names
+    assert not names & {"torch", "numpy", "sympy", "triton", "pytest"}
+    text = (ROOT / "requirements" / "test.txt").read_text()
+    assert all(f"\n{n}=={v}\n" in text for n, v in _pins() if n not in {"fla-core", "einops", "nvidia-cublas"})
+
+
+def test_a_dependency_with_no_pin_stops_the_bundle_naming_it(tmp_path):
+    (tmp_path / "scripts").mkdir()
+    for name in ("gpu-bundle.sh", "gpu_bundle_wheels.py"):
+        (tmp_path / "scripts" / name).write_text((ROOT / "scripts" / name).read_text())
+    (tmp_path / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text())
+    (tmp_path / "requirements").mkdir()
+    pinned = (ROOT / "requirements" / "test.txt").read_text().splitlines()
+    (tmp_path / "requirements" / "test.txt").write_text("\n".join(x for x in pinned if not x.startswith("psutil==")))
+    llama = _wheel(tmp_path, "llama-cpp-python", "0.3.36", tag="py3-none-linux_x86_64")
+    proc = subprocess.run(["bash", str(tmp_path / "scripts" / "gpu-bundle.sh"), str(tmp_path / "b"), "--llama-wheel",
+                           str(llama)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHON": sys.executable})
+    assert proc.returncode == 1 and "psutil is not pinned in requirements/test.txt" in proc.stderr, proc.stderr
+    assert not list((tmp_path / "b").glob("whl/*"))
 
 
 def test_the_bundle_is_built_from_a_prebuilt_llama_wheel_and_installs_with_no_index(tmp_path):
@@ -314,7 +386,10 @@ def test_the_bundle_is_built_from_a_prebuilt_llama_wheel_and_installs_with_no_in
 @pytest.mark.parametrize("argv, said", [(["--cuda-arch", "sm90"], "not a CUDA architecture"),
                                          (["--python-version", "3"], "is not X.Y"),
                                          (["--llama-wheel", "/nonexistent.whl"], "no file"),
-                                         (["--frobnicate"], "unknown option --frobnicate")])
+                                         (["--frobnicate"], "unknown option --frobnicate"),
+                                         (["--cmake-args", "GGML_CUDA_FORCE_CUBLAS=ON"], "not a -DNAME=VALUE flag"),
+                                         (["--llama-wheel", str(ROOT / "pyproject.toml"), "--cmake-args",
+                                           "-DGGML_CUDA_FORCE_CUBLAS=ON"], "not to a prebuilt --llama-wheel")])
 def test_the_bundle_refuses_nonsense_before_building(tmp_path, argv, said):
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu-bundle.sh"), str(tmp_path / "b"), *argv],
                           capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHON": sys.executable})

@@ -19,9 +19,11 @@ that holds this clef_gguf instead (paths the workers get are absolute already:
 from __future__ import annotations
 
 import os
+import queue
 import sys
+import threading
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 # sys.argv of the child: ["-c", module, *args] -> [module, *args], as `python -m module args` sets it.
 _BOOT = ("import runpy, sys\n"
@@ -53,3 +55,28 @@ def start_ray(ray: Any, **kwargs: Any) -> None:
         ray.init(**kwargs)
     finally:
         os.chdir(here)
+
+
+class LineReader:
+    """A child's output, each line handed over as a reader thread gets it (``None`` at its end): a
+    deadline waits on ``get``. select() on a buffered text pipe would miss the lines Python read ahead."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.thread = threading.Thread(target=self._pump, args=(stream,), daemon=True)
+        self.thread.start()
+
+    def _pump(self, stream: IO[str]) -> None:
+        try:
+            for line in stream:
+                self.lines.put(line)
+        except ValueError:  # the stream was closed under the reader: its end
+            pass
+        self.lines.put(None)
+
+    def get(self, timeout: float) -> str | None:
+        """The next line, or None at the end; ``queue.Empty`` when none came within ``timeout`` seconds."""
+        return self.lines.get(timeout=max(0.0, timeout))
+
+    def join(self, timeout: float) -> None:
+        self.thread.join(timeout)

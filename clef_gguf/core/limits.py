@@ -29,3 +29,6 @@ SYSTEM_PREFIX_TOKENS = 36
 # Tokens per llama_decode call of one sequence (the tower's n_batch = n_ubatch): a longer segment of a
 # prompt is decoded in chunks of this many. pick's speed probe counts a decision's calls with it.
 DECODE_CHUNK = 512
+# The largest |dp| between two GPU runs of the same answers (another kernel, packed decodes): the GPU's
+# sums run in other orders, which the CPU's byte-identity never allows (tune's bar, bench-server's check).
+GPU_MAX_DP = 1e-4

@@ -12,9 +12,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-from clef_gguf.core.children import module_command
+from clef_gguf.core.children import LineReader, module_command
 from clef_gguf.pick.contention import Meter
 
 TAIL_CHARS = 2000  # of the child's stderr, kept for a failure's message
@@ -29,12 +29,6 @@ class ChildResult:
     tail: str = ""  # the last process's stderr, for a failure's message
 
 
-def _pump(stream: IO[str], into: queue.Queue[str | None]) -> None:
-    for line in stream:
-        into.put(line)
-    into.put(None)
-
-
 def _one_process(spec_path: Path, env: dict[str, str], deadline: float, threads: int,
                  take: Any) -> str:
     """Run speed_run on ``spec_path``, handing ``take(obj, window)`` each JSON line as it is printed;
@@ -43,17 +37,15 @@ def _one_process(spec_path: Path, env: dict[str, str], deadline: float, threads:
                             stderr=subprocess.PIPE, text=True, errors="replace", env=env)
     assert proc.stdout is not None and proc.stderr is not None
     meter = Meter(proc.pid, threads)
-    lines: queue.Queue[str | None] = queue.Queue()
+    lines = LineReader(proc.stdout)
     err: list[str] = []
-    readers = [threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True),
-               threading.Thread(target=lambda: err.extend(proc.stderr or ()), daemon=True)]
-    for r in readers:
-        r.start()
+    readers = [lines, threading.Thread(target=lambda: err.extend(proc.stderr or ()), daemon=True)]
+    readers[1].start()
     stopped = None
     try:
         while True:
             try:
-                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+                line = lines.get(deadline - time.monotonic())
             except queue.Empty:
                 stopped = "the probe ran out of time"
                 break

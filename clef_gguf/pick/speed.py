@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from clef_gguf.convert.synthetic.big import needed_bytes
-from clef_gguf.convert.synthetic.shapes import preset_config
+from clef_gguf.convert.synthetic.shapes import preset_config, preset_for
 from clef_gguf.core.errors import InvalidValue, ProbeFailed
 from clef_gguf.core.limits import DECODE_CHUNK, SYSTEM_PREFIX_TOKENS, GiB
 from clef_gguf.models import machine
@@ -50,9 +50,6 @@ from clef_gguf.pick import contention, probe_process
 FORMAT = "clef-gguf-speed-probe/4"  # 4: each quant's load window (3: the line through two lengths)
 DEFAULT_TOKENS = 500
 PREFERENCES = ("quality", "speed")
-# Families whose every tower shape is confirmed (convert.synthetic.big's preset). The 27B's linear-attention and
-# feed-forward widths are not in its card: no probe rather than a guess.
-PRESETS = {"clef-flash": "flash9b"}
 # Published files that are another type's mix with token_embd and output at Q8_0 (bartowski's "_L"
 # and "_XL"): the probe never multiplies by those two matrices, so they time as their base type.
 SAME_LAYERS = {"Q6_K_L": "Q6_K", "Q5_K_L": "Q5_K_M", "Q4_K_L": "Q4_K_M", "Q3_K_XL": "Q3_K_L", "Q2_K_L": "Q2_K"}
@@ -135,11 +132,6 @@ def probe_layers(p: dict) -> int:
     """The probe's layers for ``convert.synthetic.big`` shape ``p``: all of them when its bf16 tower is under
     ``WHOLE_TOWER_BYTES``, else one full-attention interval (Clef-Flash: 4 of 32)."""
     return p["layers"] if needed_bytes(p, "bf16") <= WHOLE_TOWER_BYTES else p["interval"]
-
-
-def preset_for(family: str) -> str | None:
-    """The ``convert.synthetic.big`` preset with ``family``'s shapes, or None when they are not confirmed."""
-    return PRESETS.get(family)
 
 
 def machine_key(preset: str, tokens: int, threads: int, gpu_layers: dict[str, int], picture: int | None = None) -> str:

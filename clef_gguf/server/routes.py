@@ -182,7 +182,8 @@ class Routes:
             return json_response({"status": "ok", "model": info.get("name"),
                                   "model_hash": provenance.model_hash if provenance else None,
                                   "backend": info.get("backend"),
-                                  "precision": info.get("precision")})
+                                  "precision": info.get("precision"),
+                                  "gpu_layers": info.get("gpu_layers"), "head_device": info.get("head_device")})
         if status == "loading":
             return json_response({"status": "loading"}, 503, {"Retry-After": LOADING_RETRY_AFTER})
         error = self.served.error or errors.ModelLoadError("the model failed to load")

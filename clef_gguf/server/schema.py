@@ -250,6 +250,8 @@ class HealthOk(BaseModel):
     model_hash: str | None
     backend: str | None
     precision: str | None
+    gpu_layers: int | None = Field(description="the tower's layers on a GPU (0: all on the CPU)")
+    head_device: str | None = Field(description="where the joint head runs: cpu, cuda, cuda:1...")
 
 
 class HealthLoading(BaseModel):

@@ -6,9 +6,10 @@ client concurrencies.
 
 Each level sends ``--requests`` requests from N client threads (each with its own keep-alive
 connection), all started together. Every answer is checked: status 200 and the same bytes as a
-sequential warm-up run of the same body, so the numbers never hide lost or wrong answers. On a CUDA
-machine the check is a tolerance instead (``--tolerance``, default ``GPU_TOLERANCE``): packed
-decodes there sum in another order than one at a time, which the CPU's byte-identity never does.
+sequential warm-up run of the same body, so the numbers never hide lost or wrong answers. Where the
+server's ``/health`` says its tower or head runs on a GPU the check is a tolerance instead
+(``--tolerance``, default ``limits.GPU_MAX_DP``): packed decodes there sum in another order than one
+at a time, which the CPU's byte-identity never does.
 ``--tokens N`` pads each request's state to about N prompt tokens. The server logs go to a
 temporary file (printed on failure).
 
@@ -35,10 +36,10 @@ from clef_gguf.bulk.output import CACHE_USAGE
 from clef_gguf.core.argtypes import megabytes, positive_int, probability_gap
 from clef_gguf.core.children import module_command
 from clef_gguf.core.errors import ClefError
+from clef_gguf.core.limits import GPU_MAX_DP
 from clef_gguf.server.http import free_port
 
 DISTINCT = 16
-GPU_TOLERANCE = 1e-4  # max |dp| of an answer against one at a time, where torch sees a CUDA device
 FILLER = " The customer wrote again about the refund, the invoice and the delay."
 
 
@@ -93,11 +94,14 @@ def same_answer(got: bytes, expected: bytes, tolerance: float) -> bool:
     return dp is not None and dp <= tolerance
 
 
-def default_tolerance() -> float:
-    """0 (byte-identical answers) on a CPU; ``GPU_TOLERANCE`` where torch sees a CUDA device."""
-    import torch
+def on_gpu(health: dict) -> bool:
+    """Whether the server's ``/health`` places its tower (``gpu_layers``) or its head on a GPU."""
+    return bool(health.get("gpu_layers")) or not str(health.get("head_device") or "cpu").startswith("cpu")
 
-    return GPU_TOLERANCE if torch.cuda.is_available() else 0.0
+
+def default_tolerance(health: dict) -> float:
+    """0 (byte-identical answers) where the server runs on the CPU; ``GPU_MAX_DP`` where it runs on a GPU."""
+    return GPU_MAX_DP if on_gpu(health) else 0.0
 
 
 def level(url: str, concurrency: int, total: int, expected: list[bytes], bodies: list[bytes],
@@ -185,8 +189,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="pad each request's state to about this many prompt tokens (default: short requests)")
     p.add_argument("--tolerance", type=probability_gap, default=None,
                    help="largest |dp| of an answer against its warm-up run (default: 0, byte-identical, on a "
-                        f"CPU; {GPU_TOLERANCE:g} where torch sees a CUDA device: packed GPU decodes sum in "
-                        "another order)")
+                        f"CPU; {GPU_MAX_DP:g} where the server's /health places its tower or head on a GPU: "
+                        "packed GPU decodes sum in another order)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
@@ -197,6 +201,8 @@ def _measure(args: argparse.Namespace, log_path: Path) -> tuple[list[dict], int]
         proc, url = start_server(args, log_path)
     try:
         with httpx.Client(base_url=url, timeout=600) as http:  # warm-up + reference answers
+            health = http.get("/health")
+            health.raise_for_status()
             filler = _filler(http, args.tokens) if args.tokens else 0
             bodies = [body(i, filler) for i in range(DISTINCT)]
             expected = []
@@ -205,7 +211,7 @@ def _measure(args: argparse.Namespace, log_path: Path) -> tuple[list[dict], int]
                 r.raise_for_status()
                 expected.append(answer_bytes(r.content))
             tokens = r.json()["usage"]["input_tokens"]
-        tolerance = default_tolerance() if args.tolerance is None else args.tolerance
+        tolerance = default_tolerance(health.json()) if args.tolerance is None else args.tolerance
         rows = [level(url, c, max(args.requests, c), expected, bodies, tolerance) for c in args.concurrency]
     finally:
         if proc is not None:

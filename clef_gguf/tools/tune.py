@@ -24,14 +24,13 @@ import numpy as np
 
 from clef_gguf.core.cpus import available_cpus
 from clef_gguf.core.errors import ClefError, InvalidSetting
-from clef_gguf.core.limits import DECODE_CHUNK
+from clef_gguf.core.limits import DECODE_CHUNK, GPU_MAX_DP
 from clef_gguf.models import tuned
 from clef_gguf.models.tuned import Trial, Tuning, Value
 
 NOISE = 0.05  # a value must be faster than the default by more than this at every length
 DEFAULT_LENGTHS = (466, 1986)  # a typical decision, and a long one (prompt tokens)
 DEFAULT_ROUNDS = 5
-PARITY_DP = 1e-4  # the bar for a setting that changes the arithmetic
 # Whether a setting leaves the CPU's arithmetic as the default's (then its answers must be byte-identical):
 BYTE_IDENTICAL_ON_CPU = {
     "threads": True,  # more threads split a matmul's output rows between them, never one sum
@@ -46,8 +45,8 @@ DECODE_CHUNKS = (256, 1024, 2048)
 
 def bar(setting: str, device: str) -> float:
     """The largest |dp| a value of ``setting`` may move answers by: 0 (byte-identical) where it keeps the
-    CPU's arithmetic, else ``PARITY_DP`` (on a GPU every kernel may sum in another order)."""
-    return 0.0 if device == "cpu" and BYTE_IDENTICAL_ON_CPU[setting] else PARITY_DP
+    CPU's arithmetic, else ``GPU_MAX_DP`` (on a GPU every kernel may sum in another order)."""
+    return 0.0 if device == "cpu" and BYTE_IDENTICAL_ON_CPU[setting] else GPU_MAX_DP
 
 
 def check_names(only: list[str] | None) -> tuple[str, ...]:
@@ -139,9 +138,10 @@ def tune(bench: Bench, *, only: tuple[str, ...] = tuned.SETTINGS, lengths: tuple
                     max_dp = max(float(np.abs(bench.answers(setting, None, n) - bench.answers(setting, value, n)).max())
                                  for n in lengths)
                 trial = judge(setting, value, lengths, base, tried, max_dp, bar(setting, bench.device))
-            except ClefError as exc:  # a value this build or device refuses is a finding, not the end of the run
+            except Exception as exc:  # noqa: BLE001 - a value that fails to load or run is a finding, not the end
+                why = exc.message if isinstance(exc, ClefError) else f"{type(exc).__name__}: {exc}"
                 trial = Trial(setting, value, lengths, (), (), None, bar(setting, bench.device), False,
-                              f"could not run: {exc.message}")
+                              f"could not run: {why}")
             progress(f"{setting}={value}: {'chosen' if trial.won else 'not chosen'}: {trial.reason}")
             trials.append(trial)
             won += [trial] if trial.won else []
@@ -172,9 +172,16 @@ class ModelBench:
 
     def __post_init__(self) -> None:
         self.base = self._load({})
+        try:
+            self._measurable()
+        except BaseException:
+            self.close()  # the loaded model is nobody else's to close
+            raise
+
+    def _measurable(self) -> None:
+        """The defaults and the synthetic requests of each length; a PyTorch tower is refused."""
         if self.base.info["backend"] != "llama-cpp-python":
             name = self.base.files.tower
-            self.close()
             raise InvalidSetting(f"tune measures llama.cpp towers; {name} runs in PyTorch (the nvfp4 backend): "
                                  "give a GGUF model", field="model")
         tower = self.base.tower

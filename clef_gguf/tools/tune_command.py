@@ -9,7 +9,7 @@ from pathlib import Path
 
 from clef_gguf.core import argtypes
 from clef_gguf.core.errors import InvalidValue
-from clef_gguf.core.limits import CONTEXT_WINDOW
+from clef_gguf.core.limits import CONTEXT_WINDOW, GPU_MAX_DP
 from clef_gguf.models import tuned
 from clef_gguf.models.tuned import Tuning
 from clef_gguf.tools import tune
@@ -49,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                 "rounds, median and spread) at every --lengths. A value replaces the default only where it "
                 f"is more than {tune.NOISE:.0%} faster at every length with the same answers: byte-identical "
                 "on the CPU for threads and pack size, which keep its arithmetic, else within max |dp| "
-                f"{tune.PARITY_DP:g}. The winners are kept per machine, llama.cpp build and model in "
+                f"{GPU_MAX_DP:g}. The winners are kept per machine, llama.cpp build and model in "
                 "$HF_HOME/clef-gguf/tuned-settings.json, and every command that loads this model uses them "
                 "where no flag sets them (--no-tune: the defaults).")
 

@@ -5,6 +5,7 @@ plan: every tensor of the release in draw order, mapped to its GGUF name, edits 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,19 +16,36 @@ from clef_gguf.convert.hf_to_gguf import SUPPORTED, text_dims
 from clef_gguf.convert.synthetic import tiny
 from clef_gguf.core.errors import ConversionError
 
-CATALOG_FAMILIES = {"flash9b": "clef-flash"}  # preset -> the catalog family whose shape it has
+# preset -> the catalog family whose every tower shape is confirmed (pick's probe runs at it). The 27B's
+# linear-attention and feed-forward widths are not in its card: no preset rather than a guess.
+CATALOG_FAMILIES = {"flash9b": "clef-flash"}
 _DEMO_BPE_VOCAB = 512  # the demo tokenizer's merges; the vocab is padded to the family's size
 
 
-# The model catalog's data file: models/ beside convert/ in the clone, clef_gguf/models/ installed. Read
-# as data: the catalog's module sits above this one (docs/architecture.md).
+# The model catalog's data file: models/ beside convert/ in the clone, clef_gguf/models/ installed, or
+# what $CLEF_GGUF_CATALOG names (as models.catalog reads it). Read as data: models.catalog imports convert,
+# so convert may not import it (tests/test_layout.py).
 CATALOG_JSON = Path(__file__).resolve().parents[2] / "models" / "catalog.json"
+CATALOG_ENV = "CLEF_GGUF_CATALOG"  # models.catalog.CATALOG_ENV, which a test holds equal
+
+
+def catalog_path() -> Path:
+    """The catalog file ``models.catalog.load_catalog`` reads: ``$CLEF_GGUF_CATALOG``, else the packaged one."""
+    return Path(os.environ.get(CATALOG_ENV) or CATALOG_JSON)
+
+
+def preset_for(family: str) -> str | None:
+    """The preset with ``family``'s shapes, or None when they are not confirmed."""
+    return next((preset for preset, name in CATALOG_FAMILIES.items() if name == family), None)
 
 
 def catalog_preset(family: str) -> dict:
     """The preset of ``family``'s shape, read from the model catalog, with the real joint head's size."""
-    text = CATALOG_JSON.read_text(encoding="utf-8")
-    a = json.loads(text)["families"][family]["architecture"]
+    path = catalog_path()
+    try:
+        a = json.loads(path.read_text(encoding="utf-8"))["families"][family]["architecture"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConversionError(f"the catalog {path} gives no architecture for family {family!r}: {exc}") from exc
     return dict(hidden=a["hidden_size"], layers=a["layers"], interval=a["full_attention_interval"],
                 ffn=a["feed_forward"], heads=a["attention_heads"], kv_heads=a["kv_heads"], head_dim=a["head_dim"],
                 lin_k_heads=a["linear_key_heads"], lin_v_heads=a["linear_value_heads"],

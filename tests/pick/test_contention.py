@@ -94,7 +94,7 @@ def test_of_two_measurements_the_quiet_one_else_the_faster_is_kept():
 
 @pytest.fixture
 def small_family(monkeypatch, tmp_path):
-    monkeypatch.setattr(speed, "PRESETS", {"clef-flash": "small"})
+    monkeypatch.setattr(speed, "preset_for", {"clef-flash": "small"}.get)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.setattr(pick, "probe", lambda **_: DeviceProfile(32 * GiB, 26 * GiB, 2, "x86_64", X86))
 

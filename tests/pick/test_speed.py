@@ -177,7 +177,7 @@ def test_without_a_line_the_median_run_is_scaled():
 def small_family(monkeypatch, tmp_path):
     """The real probe at the ~110M preset's shapes (12 layers 3:1, probed whole) under clef-flash's name; its
     own cache."""
-    monkeypatch.setattr(speed, "PRESETS", {"clef-flash": "small"})
+    monkeypatch.setattr(speed, "preset_for", {"clef-flash": "small"}.get)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.setattr(pick, "probe", lambda **_: BOX)
 

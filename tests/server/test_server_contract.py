@@ -129,6 +129,7 @@ def test_models_and_health(server, spec, clef):
         "error"]["code"] == "unauthorized"
     health = conforms(spec, "get", "/health", httpx.get(f"{server.url}/health"))
     assert health["status"] == "ok" and health["model_hash"] == clef.provenance.model_hash
+    assert (health["gpu_layers"], health["head_device"]) == (clef.info["gpu_layers"], clef.info["head_device"])
 
 
 def test_loading_failed_and_busy_responses(clef, spec):

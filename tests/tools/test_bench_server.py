@@ -24,7 +24,8 @@ def test_bench_server_refuses_nonsense():
 def test_answers_are_held_to_bytes_on_a_cpu_and_to_a_tolerance_where_asked():
     """Byte-identical stays the CPU's promise; a tolerance (CUDA's default) lets packed answers differ in
     the last digits, never in their shape."""
-    from clef_gguf.tools.bench_server import GPU_TOLERANCE, default_tolerance, same_answer
+    from clef_gguf.core.limits import GPU_MAX_DP as GPU_TOLERANCE
+    from clef_gguf.tools.bench_server import default_tolerance, same_answer
 
     def answer(p: float, choice: str = "a") -> bytes:
         return json.dumps({"answers": {"q": {"choice": choice, "probabilities": {"a": p, "b": 1 - p}}}},
@@ -35,7 +36,11 @@ def test_answers_are_held_to_bytes_on_a_cpu_and_to_a_tolerance_where_asked():
     assert same_answer(answer(0.50001), answer(0.5), GPU_TOLERANCE)
     assert not same_answer(answer(0.5002), answer(0.5), GPU_TOLERANCE)
     assert not same_answer(answer(0.5, "b"), answer(0.5), GPU_TOLERANCE)  # a changed choice is no rounding
-    assert default_tolerance() == 0.0  # this machine has no CUDA device: byte-identical
+    # where the server runs decides, not whether this client process sees CUDA
+    assert default_tolerance({"gpu_layers": 0, "head_device": "cpu"}) == 0.0
+    assert default_tolerance({"gpu_layers": 0, "head_device": "cuda:0"}) == GPU_TOLERANCE
+    assert default_tolerance({"gpu_layers": 33, "head_device": "cpu"}) == GPU_TOLERANCE
+    assert default_tolerance({"status": "ok"}) == 0.0  # a server that does not say: byte-identical
 
 
 def test_tokens_pads_the_requests_and_a_bad_tolerance_is_refused(tiny_model_dir):

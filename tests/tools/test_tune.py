@@ -12,6 +12,7 @@ import pytest
 
 from clef_gguf import cli
 from clef_gguf.core.errors import InvalidSetting
+from clef_gguf.core.limits import GPU_MAX_DP
 from clef_gguf.models import tuned
 from clef_gguf.runtime.model import Clef
 from clef_gguf.tools import tune
@@ -67,7 +68,7 @@ def test_a_value_wins_only_faster_by_more_than_5_percent_at_both_lengths_with_th
     assert not trials[("threads", 1)].won
     # pack keeps the CPU's arithmetic: its bar is byte-identical, and 1e-7 fails it
     assert trials[("pack_size", 8)].bar == 0.0 and not trials[("pack_size", 8)].won
-    assert trials[("decode_chunk", 256)].bar == tune.PARITY_DP
+    assert trials[("decode_chunk", 256)].bar == GPU_MAX_DP
     assert result.lengths == LENGTHS and result.rounds == 3 and result.device == "cpu"
 
 
@@ -139,7 +140,7 @@ def test_a_real_run_on_the_tiny_model_is_kept_shown_and_used(capsys, tmp_path, t
     assert {t["value"] for t in result["trials"] if t["setting"] == "decode_chunk"} == {256, 1024, 2048}
     for trial in result["trials"]:
         assert len(trial["speedups"]) == 2 and all(s > 0 for s in trial["speedups"])
-        assert trial["max_dp"] <= 1e-2 and trial["bar"] == tune.PARITY_DP
+        assert trial["max_dp"] <= 1e-2 and trial["bar"] == GPU_MAX_DP
         assert trial["won"] == (all(s > 1.05 for s in trial["speedups"]) and trial["max_dp"] <= 1e-4)
     assert "head_device" in result["skipped"] or "head_device" in {t["setting"] for t in result["trials"]}
     kept = tuned.current(next(model.glob("*.gguf")), "cpu")
@@ -186,6 +187,38 @@ def test_a_value_that_cannot_run_is_reported_and_the_run_goes_on():
     assert "could not run: flash attention is not supported" in failed.reason
     assert result.chosen == {"flash_attention": "off"}
     assert tuned.Tuning.from_dict(json.loads(json.dumps(result.to_dict()))) == result
+
+
+def test_a_value_whose_load_fails_with_any_error_is_recorded_and_the_rest_kept():
+    """Not only a ClefError: a load that fails otherwise (a backend's RuntimeError) is that value's finding."""
+    class Failing(FakeBench):
+        def use(self, setting, value):
+            if value == 256:
+                raise RuntimeError("ggml_backend_alloc failed")
+            return nullcontext()
+
+    bench = Failing({("decode_chunk", None): secs(1.0, 4.0), ("decode_chunk", 256): secs(0.5, 2.0),
+                     ("decode_chunk", 1024): secs(0.5, 2.0)})
+    result = tune.tune(bench, lengths=LENGTHS, rounds=2)
+    failed = next(t for t in result.trials if t.value == 256)
+    assert not failed.won and failed.reason == "could not run: RuntimeError: ggml_backend_alloc failed"
+    assert result.chosen == {"decode_chunk": 1024}
+
+
+def test_model_bench_closes_its_model_when_setting_up_fails(tiny_model_dir, monkeypatch):
+    from clef_gguf.tools import bench
+
+    closed = []
+    real_close = Clef.close
+    monkeypatch.setattr(Clef, "close", lambda self: (closed.append(self), real_close(self))[1])
+
+    def boom(clef, n):
+        raise RuntimeError("no request of that size")
+
+    monkeypatch.setattr(bench, "sized_request", boom)
+    with pytest.raises(RuntimeError, match="no request of that size"):
+        tune.ModelBench({"model": str(tiny_model_dir), "gpu_layers": 0}, (64,))
+    assert len(closed) == 1
 
 
 def test_an_nvfp4_checkpoint_is_refused_and_its_loads_refuse_llama_settings(capsys, tiny_nvfp4_dir):

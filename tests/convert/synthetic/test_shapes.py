@@ -49,3 +49,26 @@ def test_layers_keeps_the_shapes():
         shapes.preset_config("flash9b", layers=6)
     with pytest.raises(ConversionError, match="unknown preset"):
         shapes.preset_config("huge")
+
+
+def test_the_catalog_is_the_one_clef_gguf_catalog_names(tmp_path, monkeypatch):
+    """$CLEF_GGUF_CATALOG swaps the catalog for the shapes as it does for the models (one variable)."""
+    import json
+
+    from clef_gguf.models import catalog
+
+    assert shapes.CATALOG_ENV == catalog.CATALOG_ENV
+    data = json.loads(shapes.CATALOG_JSON.read_text(encoding="utf-8"))
+    data["families"]["clef-flash"]["architecture"]["hidden_size"] = 2048
+    mirror = tmp_path / "catalog.json"
+    mirror.write_text(json.dumps(data), encoding="utf-8")
+    monkeypatch.setenv(catalog.CATALOG_ENV, str(mirror))
+    assert shapes.preset_config("flash9b")["hidden"] == 2048
+    mirror.write_text("{}", encoding="utf-8")
+    with pytest.raises(ConversionError, match="no architecture for family 'clef-flash'"):
+        shapes.preset_config("flash9b")
+
+
+def test_preset_for_maps_a_family_to_its_confirmed_shape():
+    assert shapes.preset_for("clef-flash") == "flash9b"
+    assert shapes.preset_for("clef-27b") is None
