@@ -1,7 +1,8 @@
 """``core.refusals``: every capacity refusal carries one of the phrases benchmark kits read as "unsupported",
 with its code, field and numbers, on every way in: the request reader, the encoder, the media budgets,
-``serve`` (``/v1/systemone`` and the Workers AI route), ``decide`` and ``batch``; and ``--strict`` refuses a
-model name this process does not serve, with one model loaded too."""
+``serve`` (``/v1/systemone`` and the Workers AI route), ``decide`` and ``batch``; every 413/422 class of the
+registry is a capacity limit with its cases here or named as none, and every raise of one goes through
+``core.refusals``; and ``--strict`` refuses a model name this process does not serve, with one model loaded too."""
 
 from __future__ import annotations
 
