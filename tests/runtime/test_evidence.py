@@ -232,3 +232,17 @@ def test_a_base_with_fine_tunes_takes_evidence_as_clef_does(tiny_model_dir, tiny
         with pytest.raises(errors.InvalidValue) as refused:
             models.decide(request(TEXT_STATE, model="a"), evidence={"top": 0})
         assert refused.value.field == "evidence.top"
+
+
+def test_occlusion_on_the_nvfp4_tower_equals_decisions_by_hand(tiny_nvfp4_dir):
+    """The other backend's snapshots (its torch caches) resume each re-run as llama.cpp's do."""
+    with Clef.load(tiny_nvfp4_dir("nvfp4a16"), max_length=2048, threads=2) as model:
+        state = "Fine so far. " * 10 + TEXT_STATE
+        out = model.decide(request(state), evidence={"mode": "occlusion", "top": 2})
+        assert out["audit"]["backend"] == "torch-nvfp4" and out["evidence"]["reruns"] >= 2
+        before = model.probabilities(request(state))
+        block = out["evidence"]["questions"]["team"]
+        k = ["billing", "sales", "tech"].index(block["option"])
+        for span in block["spans"]:
+            again = model.probabilities(request(state[:span["start"]] + state[span["end"]:]))
+            assert span["delta_p"] == round(float(again[1][k]) - float(before[1][k]), 4)
