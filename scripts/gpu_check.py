@@ -139,8 +139,10 @@ def run_row(name: str, work: Path, dry: bool, left: float, entry: dict, save: Ca
             except subprocess.TimeoutExpired:
                 pass
         _end_group(proc)
-        lines.join(5.0)  # the group is gone: the pipe's writers with it, so the reader sees its end
-        proc.stdout.close()
+        # the group is gone and the pipe's writers with it; one that left the group keeps the reader (a
+        # daemon) in its read, and closing the stream under it would wait on that read
+        if lines.join(5.0):
+            proc.stdout.close()
     err.seek(0)
     stderr = err.read().strip()
     err.close()

@@ -67,16 +67,15 @@ class LineReader:
         self.thread.start()
 
     def _pump(self, stream: IO[str]) -> None:
-        try:
-            for line in stream:
-                self.lines.put(line)
-        except ValueError:  # the stream was closed under the reader: its end
-            pass
+        for line in stream:
+            self.lines.put(line)
         self.lines.put(None)
 
     def get(self, timeout: float) -> str | None:
         """The next line, or None at the end; ``queue.Empty`` when none came within ``timeout`` seconds."""
         return self.lines.get(timeout=max(0.0, timeout))
 
-    def join(self, timeout: float) -> None:
+    def join(self, timeout: float) -> bool:
+        """Whether the reader saw the end within ``timeout`` seconds (then the stream may be closed)."""
         self.thread.join(timeout)
+        return not self.thread.is_alive()
