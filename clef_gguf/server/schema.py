@@ -154,6 +154,10 @@ class Usage(BatchUsage):
         "from the vision cache); only when there are some"))
 
 
+# The opt-in evidence block (docs/evidence.md); its inner layout is documented there, not fixed here.
+EVIDENCE = "where the head looked in the state, per question; only where the request asked for evidence"
+
+
 class Audit(BaseModel):
     """What produced the answers; the lists hold one entry per answered input."""
 
@@ -166,6 +170,7 @@ class Audit(BaseModel):
     input_tokens: list[int]
     backend: str
     precision: str
+    evidence: str | None = Field(None, description="the evidence mode, where the request asked for evidence")
 
 
 class IgnoredKey(BaseModel):
@@ -185,6 +190,7 @@ class SystemOneResponse(BaseModel):
     audit: Audit
     truncated: bool = Field(False, description="the state was cut to fit (options.truncate_state)")
     warnings: list[IgnoredKey] = Field(default_factory=list, description="what was ignored")
+    evidence: dict[str, Any] | None = Field(None, description=EVIDENCE)
 
 
 class AnsweredInput(BaseModel):
@@ -197,6 +203,7 @@ class AnsweredInput(BaseModel):
                               "mixes fine-tunes (each request's own \"model\")")
     model_hash: str | None = Field(None, description="that model's audit.model_hash, where the batch "
                                    "mixes fine-tunes")
+    evidence: dict[str, Any] | None = Field(None, description=EVIDENCE)
 
 
 class RefusedInput(BaseModel):

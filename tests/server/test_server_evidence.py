@@ -7,6 +7,7 @@ from __future__ import annotations
 import httpx
 
 from clef_gguf.pipeline.encode import render
+from clef_gguf.server import schema
 from server_helpers import DEADLINE_S, QUESTIONS, ThreadServer, request_body, same
 
 STATE = "Order 1182: the customer was charged twice and asks for a refund within 3 days."
@@ -21,6 +22,7 @@ def test_single_request_answers_unchanged_with_its_evidence(server):
     plain = post(server, "/v1/systemone", body)
     got = post(server, "/v1/systemone", {**body, "evidence": {"top": 2, "options": True}})
     assert plain.status_code == got.status_code == 200
+    schema.SystemOneResponse.model_validate(got.json())  # what /openapi.json promises, evidence included
     plain, got = same(plain.json()), same(got.json())
     assert got["answers"] == plain["answers"] and got["audit"] == {**plain["audit"], "evidence": "attention"}
     text = render(body["state"])
@@ -44,6 +46,7 @@ def test_batch_bodies_carry_each_results_evidence(server):
     shared = post(server, "/v1/systemone", {"state": [{"id": "a", "text": STATE}, {"id": "b", "text": "Fine, thanks."}],
                                             "questions": QUESTIONS, "evidence": {"mode": "occlusion", "top": 1}})
     assert shared.status_code == 200
+    schema.BatchResponse.model_validate(shared.json())
     results = shared.json()["results"]
     assert [r["id"] for r in results] == ["a", "b"]
     for result, text in zip(results, (STATE, "Fine, thanks.")):
@@ -54,6 +57,7 @@ def test_batch_bodies_carry_each_results_evidence(server):
             assert text[span["start"]:span["end"]] == span["text"] and "delta_p" in span
     assert shared.json()["audit"]["evidence"] == "occlusion"
     listed = post(server, "/v1/systemone", {"requests": [request_body(1, evidence=True), request_body(2)]})
+    schema.BatchResponse.model_validate(listed.json())
     first, second = listed.json()["results"]
     assert "evidence" in first and "evidence" not in second
     plain = post(server, "/v1/systemone", {"requests": [request_body(1), request_body(2)]}).json()

@@ -444,11 +444,11 @@
     renderPictures(index);
   }
 
-  // The count limit, as the server words it (clef_gguf/media/sources.py check_count).
+  // The count limit, as the server words it (clef_gguf/media/sources.py check_count, core/refusals.py).
   function checkPictures() {
     if (pictures.length <= limits.images) return true;
     setError("images-error", pictures.length + " images or video frames, over the limit of " + limits.images +
-      " (media_too_large, field images)");
+      ": the canvas holds " + limits.images + " images or video frames (media_too_large, field images)");
     return false;
   }
 
@@ -739,7 +739,8 @@
     const size = new Blob([body]).size;
     if (size > limits.body) {  // as the server refuses it (clef_gguf/server/http.py read_json)
       setError(pictures.length ? "images-error" : "request-error",
-        "the body is " + size + " bytes; the limit is " + limits.body + " (body_too_large)");
+        "the body is " + size + " bytes; the limit is " + limits.body +
+        ": too many tokens for one request (body_too_large)");
       if (pictures.length) focusError("images");
       return;
     }
