@@ -82,18 +82,30 @@ def rows_module(path: str | None) -> Any:
 
 
 def _end_group(proc: subprocess.Popen) -> None:
-    """Ends the row's whole process group (its server, probe, quantizer...): TERM, a grace, then KILL."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+    """Ends the row's whole process group (its server, probe, quantizer...): TERM, a grace, then KILL;
+    it returns once no process of the group is left, not just the row's own."""
+    for sig, grace in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, KILL_GRACE_S)):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
             break  # nothing left in the group
-        if sig == signal.SIGTERM:
-            try:
-                proc.wait(KILL_GRACE_S)
-            except subprocess.TimeoutExpired:
-                pass
+        if _group_gone(proc, grace):
+            break
     proc.wait()
+
+
+def _group_gone(proc: subprocess.Popen, within: float) -> bool:
+    """Whether every process of ``proc``'s group has ended within ``within`` seconds (the row reaped
+    here, its children by whoever adopted them)."""
+    end = time.monotonic() + within
+    while time.monotonic() < end:
+        proc.poll()  # a leader nobody waited for would keep the group alive as a zombie
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.02)
+    return False
 
 
 def run_row(name: str, work: Path, dry: bool, left: float, entry: dict, save: Callable[[], None],
