@@ -39,8 +39,8 @@ def _one_process(spec_path: Path, env: dict[str, str], deadline: float, threads:
     meter = Meter(proc.pid, threads)
     lines = LineReader(proc.stdout)
     err: list[str] = []
-    readers = [lines, threading.Thread(target=lambda: err.extend(proc.stderr or ()), daemon=True)]
-    readers[1].start()
+    errors_read = threading.Thread(target=lambda: err.extend(proc.stderr or ()), daemon=True)
+    errors_read.start()
     stopped = None
     try:
         while True:
@@ -62,8 +62,8 @@ def _one_process(spec_path: Path, env: dict[str, str], deadline: float, threads:
         if proc.poll() is None:
             proc.kill()
         proc.wait()
-        for r in readers:
-            r.join(timeout=5)
+        lines.join(timeout=5)
+        errors_read.join(timeout=5)
     return stopped or "".join(err)[-TAIL_CHARS:]
 
 

@@ -63,7 +63,7 @@ def check_names(only: list[str] | None) -> tuple[str, ...]:
 class Bench(Protocol):
     """What tune measures through: the real model (``ModelBench``) or a test's fake."""
 
-    device: str  # "cpu" or "gpu": where the tower runs
+    device: tuned.Device  # where the tower runs
     tower: Path
     defaults: dict[str, Value]
 
@@ -185,7 +185,7 @@ class ModelBench:
             raise InvalidSetting(f"tune measures llama.cpp towers; {name} runs in PyTorch (the nvfp4 backend): "
                                  "give a GGUF model", field="model")
         tower = self.base.tower
-        self.device = "gpu" if tower.gpu_layers else "cpu"
+        self.device: tuned.Device = "gpu" if tower.gpu_layers else "cpu"
         self.tower = Path(self.base.files.tower)
         self.defaults: dict[str, Value] = {
             "threads": tower.threads, "decode_chunk": tower.n_batch, "flash_attention": "auto",
