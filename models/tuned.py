@@ -20,10 +20,11 @@ from typing import Any, Literal, Union
 
 from filelock import FileLock, Timeout
 
+from clef_gguf.core.errors import CacheNotWritable, InvalidSetting
 from clef_gguf.models import machine
 from clef_gguf.models.hfcache import clef_home, replace_json
 
-FORMAT = "clef-gguf-tuned/1"
+FORMAT = "clef-gguf-tuned/2"  # 2: a run under load keeps nothing (1 kept what it measured)
 Value = Union[int, str]
 # The settings tune measures, in the order it measures them (LoadSettings' field names).
 SETTINGS = ("threads", "decode_chunk", "flash_attention", "pack_size", "head_device", "head_dtype")
@@ -41,8 +42,10 @@ class Trial:
     spreads: tuple[tuple[float, float], ...]  # per length: the lowest and highest per-round ratio
     max_dp: float | None  # the largest |dp| of its answers against the default's (None: it could not run)
     bar: float  # the parity bar it was held to: 0.0 is byte-identical
-    won: bool
+    won: bool  # faster at every length within the bar (chosen only when the run was not under load)
     reason: str
+    load: dict[str, float] | None = None  # other processes while it was timed (``core.load.Window``)
+    loaded: bool = False  # other processes contended for the measured cores meanwhile
 
 
 @dataclass(frozen=True)
@@ -60,7 +63,7 @@ class Tuning:
     rounds: int = 0
     measured_at: str = ""
     took_seconds: float = 0.0
-    busy: tuple[float, ...] = ()  # the 1-minute load average at the start and the end, per core
+    loaded: bool = False  # some value was timed under load: nothing chosen, nothing kept (``tools.tune``)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -69,7 +72,7 @@ class Tuning:
     def from_dict(cls, d: dict[str, Any]) -> Tuning:
         trials = tuple(Trial(**{**t, "lengths": tuple(t["lengths"]), "speedups": tuple(t["speedups"]),
                                 "spreads": tuple(tuple(s) for s in t["spreads"])}) for t in d["trials"])
-        return cls(**{**d, "trials": trials, "lengths": tuple(d["lengths"]), "busy": tuple(d.get("busy", ()))})
+        return cls(**{**d, "trials": trials, "lengths": tuple(d["lengths"])})
 
 
 def cache_path() -> Path:
@@ -118,8 +121,12 @@ def current(tower: Path, device: str) -> Tuning | None:
     return found if found.machine == machine_hash(device, gpu_names() if device == "gpu" else ()) else None
 
 
-def store(tuning: Tuning) -> None:
-    """Keep ``tuning`` (replacing the entry of the same tower and device); a read-only home keeps nothing."""
+def store(tuning: Tuning) -> Path:
+    """Keep ``tuning`` (replacing the entry of the same tower and device) and say where; a home that
+    cannot be written, or a run under load, is refused: nothing is kept, and the caller says so."""
+    if tuning.loaded:
+        raise InvalidSetting("a tuning measured under load is not kept: its ratios measure the other "
+                             "processes too", field="tuning")
     path = cache_path()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -127,8 +134,13 @@ def store(tuning: Tuning) -> None:
             entries = _read()
             entries[entry_key(Path(tuning.model), tuning.device)] = tuning.to_dict()
             replace_json(path, {"format": FORMAT, "entries": entries})
-    except (OSError, Timeout):
-        pass
+    except Timeout:
+        raise CacheNotWritable(f"{path} stayed locked by another process for 60 s: nothing was kept",
+                               field="HF_HOME") from None
+    except OSError as exc:
+        raise CacheNotWritable(f"cannot write {path}: {exc.strerror or exc}: nothing was kept (set HF_HOME "
+                               "to a folder this user can write)", field="HF_HOME") from None
+    return path
 
 
 def now() -> str:

@@ -6,6 +6,7 @@
 ``tiny_hf_hidden``          ids -> transformers ``last_hidden_state`` (float32) of the tiny release
 ``tiny_nvfp4_dir``          scheme (nvfp4a16 | nvfp4) -> the tiny release as an NVFP4 checkpoint
 ``tiny_fine_tunes``        {"a", "b"} -> two random fine-tunes of the f32 tiny model (``convert adapter``)
+``machine_load``            the machine's load as every measurement reads it, quiet or ``.busy()`` on request
 
 Building and converting the tiny release takes well under a second; don't mutate these
 directories in tests, copy them first.
@@ -146,6 +147,18 @@ def tiny_fine_tunes(tiny_release, tiny_model_dir, tmp_path_factory) -> dict[str,
         checkpoint = build_finetune_checkpoint(tiny_release, root / f"ckpt-{name}", seed=seed)
         out[name] = convert_adapter(checkpoint, root / name, base=tiny_model_dir, outtype="f32", name=name)
     return out
+
+
+@pytest.fixture
+def machine_load(monkeypatch):
+    """The machine's load as every measurement reads it (``core.load.Meter``), quiet until the test says
+    ``machine_load.busy()``: tests of what ``pick`` and ``tune`` do under load, on a machine under any load."""
+    from clef_gguf.core import load
+    from machine_helpers import MachineLoad
+
+    machine = MachineLoad()
+    monkeypatch.setattr(load, "Meter", machine.meter)
+    return machine
 
 
 @pytest.fixture

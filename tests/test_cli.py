@@ -154,3 +154,83 @@ def test_decide_with_a_fine_tune(tiny_model_dir, tiny_fine_tunes):
     proc = clef_gguf("decide", "-m", tiny_model_dir, "--adapter", tiny_fine_tunes["a"], "--adapter",
                      tiny_fine_tunes["b"], stdin=json.dumps(REQUEST))
     assert proc.returncode == 2 and json.loads(proc.stdout)["error"]["field"] == "adapter"
+
+
+def _flags(command: str) -> dict:
+    """``command``'s flags by their first spelling, as its parser declares them."""
+    from clef_gguf.cli import build_parser
+
+    parser = build_parser(command)
+    sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction").choices[command]
+    return {a.option_strings[0]: a for a in sub._actions if a.option_strings}
+
+
+IN_WORDS = {"a", "all", "as", "the", "what", "every", "none", "no"}  # a default said in words, not a value
+
+
+def test_every_default_a_help_text_states_is_the_flags_default():
+    """Where a help text says "(default X)" of a flag whose default is a number or a word, X is that default:
+    a help text cannot drift from the parser it describes."""
+    import re
+
+    checked = 0
+    for command in COMMANDS:
+        for flag, action in _flags(command).items():
+            default = action.default
+            if (default is None or isinstance(default, bool) or default == "auto"
+                    or not isinstance(default, (int, float, str))):
+                continue  # none, a switch, or a choice made at run time: the text describes it in words
+            # "(default 64)", "(default: 64 ...)", or the value named first: "exact (default: fp32 ...)"
+            for named, stated in re.findall(r"([^\s(]*) \(default:? ([^\s,;:)]+)", action.help or ""):
+                if stated in IN_WORDS:
+                    continue  # "(default: a free one)", "(default: all 30 published)"
+                checked += 1
+                if isinstance(default, (int, float)):
+                    assert float(stated.replace(",", "")) == float(default), (command, flag, stated, default)
+                else:
+                    assert default in (stated.strip("'\"`"), named.strip("'\"`")), (command, flag, stated, default)
+    assert checked > 40
+
+
+STRICT_CASES = [  # (what --strict's help says it refuses, a request showing it, the code under --strict)
+    ("unknown keys (unknown_field)", {**REQUEST, "id": "rec-1"}, "unknown_field"),
+    ("a \"model\" this process does not serve (unknown_model)", {**REQUEST, "model": "not-served"}, "unknown_model"),
+    ("1-64 questions", {"state": "s", "questions": {f"q{i}": {"type": "noul"} for i in range(65)}},
+     "too_many_questions"),
+    ("2-255 choice options", {"state": "s", "questions": {"c": {"type": "choice",
+                                                               "criteria": {f"o{i}": None for i in range(256)}}}},
+     "too_many_options"),
+    ("2-10 score levels",
+     {"state": "s", "questions": {"s": {"type": "score", "criteria": [str(i) for i in range(11)]}}},
+     "too_many_options"),
+]
+
+
+def test_strict_does_what_its_help_says_and_without_it_what_the_reference_does(tiny_model_dir):
+    """Each refusal the --strict help names happens under --strict, and without it the request is answered
+    as the help says: an unknown key ignored and named in "warnings", any model answered by the default
+    model (no warning with one model loaded), the limits not applied."""
+    from clef_gguf import Clef
+    from clef_gguf.runtime.settings import LoadSettings
+
+    text = " ".join(_flags("serve")["--strict"].help.split())
+    assert "unknown keys are ignored and named in the response's \"warnings\"" in text
+    assert "any \"model\" is answered by the default model (named in \"warnings\" only when fine-tunes" in text
+    assert "the limits are not applied" in text
+    def served(strict: bool):  # what the commands load (``runtime.flags.load_model``)
+        return Clef.from_settings(LoadSettings.of(model=str(tiny_model_dir), strict=strict))
+
+    with served(False) as lenient, served(True) as strict:
+        for said, request, code in STRICT_CASES:
+            assert said in text
+            answered = lenient.decide(request)
+            assert answered["answers"], said
+            if code == "unknown_field":
+                assert answered["warnings"][0]["field"] == "id"
+            else:
+                assert "warnings" not in answered, said
+            if code == "unknown_model":
+                assert answered["model"] == "not-served"
+            with pytest.raises(Exception) as refused:
+                strict.decide(request)
+            assert getattr(refused.value, "code", None) == code, (said, refused.value)

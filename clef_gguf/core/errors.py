@@ -215,6 +215,19 @@ class MissingDependency(ClefError):
 # Configuration (raised at load time): a ``Clef.load`` setting that cannot work (``threads``,
 # ``gpu_layers``, ``precision``, ``backend``...). The operator's fault, not a request's: the server
 # reports it through /health and exits; the CLI exits 2, as for any bad flag.
+class CacheNotWritable(ClefError):
+    """What a command measured could not be kept in its cache under ``$HF_HOME/clef-gguf``."""
+
+    code = "cache_not_writable"
+
+
+class AddressUnavailable(ClefError):
+    """A server's address cannot be bound: another process listens there, or the address is not this
+    machine's."""
+
+    code = "address_unavailable"
+
+
 class InvalidSetting(ClefError):
     code = "invalid_setting"
     status = 500

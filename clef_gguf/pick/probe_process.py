@@ -1,6 +1,6 @@
 """The speed probe's child process, run and read: ``speed_run`` in a process of its own (a ggml abort in
 one quant's quantizer must not take ``pick`` down), its lines read as they come, each quant's window of
-machine load (``contention.Meter``) recorded beside its measurement, the deadline kept."""
+machine load (``core.load.Meter``) recorded beside its measurement, the deadline kept."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from clef_gguf.core.children import LineReader, module_command
-from clef_gguf.pick.contention import Meter
+from clef_gguf.core import load
 
 TAIL_CHARS = 2000  # of the child's stderr, kept for a failure's message
 
@@ -36,7 +36,7 @@ def _one_process(spec_path: Path, env: dict[str, str], deadline: float, threads:
     proc = subprocess.Popen(module_command("clef_gguf.pick.speed_run", str(spec_path)), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, errors="replace", env=env)
     assert proc.stdout is not None and proc.stderr is not None
-    meter = Meter(proc.pid, threads)
+    meter = load.Meter(threads, pid=proc.pid)
     lines = LineReader(proc.stdout)
     err: list[str] = []
     errors_read = threading.Thread(target=lambda: err.extend(proc.stderr or ()), daemon=True)

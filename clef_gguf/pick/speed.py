@@ -45,7 +45,8 @@ from clef_gguf.core.limits import DECODE_CHUNK, SYSTEM_PREFIX_TOKENS, GiB
 from clef_gguf.models import machine
 from clef_gguf.models.hfcache import clef_home
 from clef_gguf.models.placement import Recommendation
-from clef_gguf.pick import contention, probe_process
+from clef_gguf.core import load
+from clef_gguf.pick import outliers, probe_process
 
 FORMAT = "clef-gguf-speed-probe/4"  # 4: each quant's load window (3: the line through two lengths)
 DEFAULT_TOKENS = 500
@@ -75,7 +76,7 @@ class QuantSpeed:
     error: str | None = None
     short_tokens: int | None = None  # the line's short end (None: the runs are scaled, or the decision's own)
     short_runs: tuple[float, ...] = ()
-    load: dict[str, float] | None = None  # other processes while it was timed (``contention.Window``)
+    load: dict[str, float] | None = None  # other processes while it was timed (``core.load.Window``)
     loaded: bool = False  # timed under load (and, when measured again, under load again)
     remeasured: bool = False  # measured twice: under load, or out of line with its kernel group
 
@@ -233,7 +234,7 @@ def measure(family: str, quants: list[str], *, tokens: int = DEFAULT_TOKENS, thr
     ``picture``: each decision also carries one ``picture`` x ``picture`` image (Clef-Flash's vision
     tower and processor; its tokens are added to ``tokens``).
 
-    Each quant's window of machine load is recorded (``contention.Meter``). A quant timed under load, or out
+    Each quant's window of machine load is recorded (``core.load.Meter``). A quant timed under load, or out
     of line with its kernel group (``out_of_line``), is measured once more and the quieter (else the
     faster) of its two measurements kept; one still under load is marked ``loaded`` in the table. A
     kept table's loaded quants are measured again by the next ``pick`` when the machine is quiet."""
@@ -251,7 +252,7 @@ def measure(family: str, quants: list[str], *, tokens: int = DEFAULT_TOKENS, thr
     todo = [q for q in wanted if known is None or q not in known.quants]
     if known is not None:
         stale = [q for q in wanted if q in known.loaded_quants and q not in todo]
-        if stale and contention.contention_now(threads) <= contention.LOADED_CORES:
+        if stale and load.contention_now(threads) <= load.LOADED_CORES:
             todo += stale  # taken under load, and the machine is quiet now
         if not todo:
             return known
@@ -279,11 +280,11 @@ def measure(family: str, quants: list[str], *, tokens: int = DEFAULT_TOKENS, thr
               if s.probe_seconds is not None}
         at |= {q: s.probe_seconds for q, r in got.rows.items()
                if (s := _speed(q, r, decoded, scale, head, picture_seconds)).probe_seconds is not None}
-        lines = contention.out_of_line(at)
+        lines = outliers.out_of_line(at)
         suspects = [q for q in probed if "error" not in got.rows.get(q, {"error": 1})
                     and (got.rows[q]["loaded"] or q in lines)]
         again = probe_process.run({**spec, "quants": suspects}, deadline, threads, known=got) if suspects else None
-    rows = {q: contention.kept(r, again.rows.get(q) if again else None) for q, r in got.rows.items()}
+    rows = {q: outliers.kept(r, again.rows.get(q) if again else None) for q, r in got.rows.items()}
     out = {q: dataclasses.replace(s, seconds=round(s.tower_seconds + head + picture_seconds, 4))
            if s.tower_seconds is not None else s for q, s in (known.quants if known else {}).items()}
     for q in todo:

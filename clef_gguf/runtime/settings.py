@@ -122,10 +122,11 @@ class LoadSettings(pydantic.BaseModel):
         "answers within max |dp| 4.5e-4 of exact on the test releases, but its vision rows move ~4 in 100 "
         "at Clef-Flash's shape: docs/media.md)"))
     strict: Annotated[bool, Flag(action="store_true")] = Field(default=False, description=(
-        "refuse what the reference ignores: unknown keys (unknown_field), a \"model\" this process "
-        "does not serve (unknown_model), and apply Jev's limits (1-64 questions, 2-255 choice "
-        "options, 2-10 score levels); by default they are answered and named in the response's "
-        "\"warnings\""))
+        "refuse what the reference lets through: unknown keys (unknown_field), a \"model\" this process "
+        "does not serve (unknown_model), and requests past Jev's limits (1-64 questions, 2-255 choice "
+        "options, 2-10 score levels). Without it, as the reference: unknown keys are ignored and named in "
+        "the response's \"warnings\"; any \"model\" is answered by the default model (named in "
+        "\"warnings\" only when fine-tunes are loaded); the limits are not applied"))
     calibration: Annotated[PathLike | Calibration | None, Flag(metavar="CAL.json")] = Field(default=None, description=(
         "apply the temperatures a `clef-gguf calibrate` file fitted for this very model "
         "(softmax(logits / T) per question; audit.calibration_version names it); a file fitted on "

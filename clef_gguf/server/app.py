@@ -25,6 +25,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -36,7 +37,7 @@ from clef_gguf.media.sources import INLINE_ONLY, MediaPolicy, add_file_roots_arg
 from clef_gguf.server import schema
 from clef_gguf.server import ui as page
 from clef_gguf.server.guard import Guard, SitePolicy, allowed_host, cors_origin
-from clef_gguf.server.http import RequestContext
+from clef_gguf.server.http import RequestContext, listen
 from clef_gguf.server.jobs import JobRunner
 from clef_gguf.server.metrics import PATH as METRICS_PATH
 from clef_gguf.server.metrics import Metrics
@@ -226,8 +227,9 @@ def add_arguments(p: argparse.ArgumentParser, *, page_flag: bool = True) -> None
                    help="with --engine ray-serve: model replicas (default 1)")
 
 
-def run(args: argparse.Namespace) -> int:
-    """Serve until Ctrl-C / SIGTERM (exit 0); a model that fails to load raises its ClefError."""
+def run(args: argparse.Namespace, sock: socket.socket | None = None) -> int:
+    """Serve until Ctrl-C / SIGTERM (exit 0); a model that fails to load raises its ClefError. ``sock``:
+    the listening socket already bound to ``--host``/``--port`` (else bound here, before the model loads)."""
     import uvicorn
 
     from clef_gguf.runtime.devices import check_head_device
@@ -237,11 +239,14 @@ def run(args: argparse.Namespace) -> int:
         raise MissingField("give --model (a model directory or catalog name) or --gguf with "
                            "its head files", field="model")
     check_head_device(args.head_device)  # a head device this torch cannot give: no server at all
+    # the address before the model: a taken port is an error now, not after minutes of loading
+    sock = sock or listen(args.host, args.port)
     for name in ("clef_gguf.server", "uvicorn.error"):  # the per-request lines and startup
         logging.getLogger(name).setLevel(logging.INFO)
     if args.engine == "ray-serve":
         from clef_gguf.server import ray_serve
 
+        sock.close()  # Ray Serve's proxy binds it itself
         return ray_serve.run(args, create_app)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         log.warning("listening on %s without --api-key: anyone who can reach this port can use "
@@ -270,10 +275,9 @@ def run(args: argparse.Namespace) -> int:
 
     previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        server.run()
-    except SystemExit as exc:  # uvicorn exits 1 when it cannot bind the port
-        return int(exc.code or 1)
+        server.run(sockets=[sock])
     finally:
+        sock.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     served: Served = app.state.served

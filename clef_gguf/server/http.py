@@ -8,6 +8,7 @@ client's disconnect from the handlers, which need it to drop abandoned work.
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import re
@@ -36,6 +37,32 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host``:``port`` and listening, made before any model loads, so that a taken
+    port or a foreign address is an error at once rather than after the load."""
+    shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        # as uvicorn binds: a port left in TIME_WAIT by a server that just stopped is free to take
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except (socket.gaierror, UnicodeError) as exc:  # before OSError, which gaierror is
+        sock.close()
+        raise errors.AddressUnavailable(f"{shown}: the host name does not resolve ({exc})", field="host") from None
+    except OSError as exc:
+        sock.close()
+        why = {errno.EADDRINUSE: "is in use (another server listens there: stop it or choose another --port)",
+               errno.EACCES: "needs privileges to bind (ports under 1024: choose another --port)",
+               errno.EADDRNOTAVAIL: "is not an address of this machine (--host)"}.get(
+                   exc.errno or 0, f"cannot be bound: {exc.strerror or exc}")
+        raise errors.AddressUnavailable(f"{shown} {why}", field="port" if exc.errno != errno.EADDRNOTAVAIL
+                                  else "host") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def error_response(error: ClefError) -> Response:

@@ -34,10 +34,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Serve with the page on and open it in the default browser once the port answers."""
     from clef_gguf.server import app
-    from clef_gguf.server.http import free_port
+    from clef_gguf.server.http import listen
 
-    if not args.port:
-        args.port = free_port()
+    sock = listen(args.host, args.port)  # port 0: the system's choice of a free one, held from now on
+    args.port = int(sock.getsockname()[1])
     host = "[::1]" if args.host == "::1" else args.host
     url = f"http://{LOOPBACK if host in ('0.0.0.0', '') else host}:{args.port}/"
     print(f"clef-gguf ui: {url} (Ctrl-C stops the server)", file=sys.stderr,
@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_browser:
         threading.Thread(target=_open_when_listening, args=(url, args.host, args.port),
                          daemon=True).start()
-    return app.run(args)
+    return app.run(args, sock)
 
 
 def _open_when_listening(url: str, host: str, port: int) -> None:

@@ -5,13 +5,14 @@ chunk, flash attention, pack size; on a GPU the head's device and dtype) and eac
 values, the model is loaded with that one value and with the defaults, and decisions of each prompt
 length are timed alternately (default, candidate, then candidate, default: several rounds). A value
 replaces the default only where its median is faster by more than ``NOISE`` at every length and its
-answers are the default's within the setting's parity bar (``BARS``). The winners are kept per machine
-and tower file (``models/tuned.py``) and every command that loads the model uses them.
+answers are the default's within the setting's parity bar (``bar``). The winners are kept per machine
+and tower file (``models/tuned.py``) and every command that loads the model uses them; a run that other
+processes contended with keeps nothing (``tune``).
 """
 
 from __future__ import annotations
 
-import os
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -22,6 +23,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from clef_gguf.core import load
 from clef_gguf.core.cpus import available_cpus
 from clef_gguf.core.errors import ClefError, InvalidSetting
 from clef_gguf.core.limits import DECODE_CHUNK, GPU_MAX_DP
@@ -122,16 +124,19 @@ def side_by_side(bench: Bench, setting: str, value: Value, lengths: tuple[int, .
 
 def tune(bench: Bench, *, only: tuple[str, ...] = tuned.SETTINGS, lengths: tuple[int, ...] = DEFAULT_LENGTHS,
          rounds: int = DEFAULT_ROUNDS, progress: Callable[[str], None] = lambda line: None) -> Tuning:
-    """Every value of every setting in ``only`` against the defaults; the best winner of each is chosen."""
-    start, busy = time.monotonic(), busy_now()
+    """Every value of every setting in ``only`` against the defaults; the best winner of each is chosen.
+
+    Each value's side-by-side runs in a window of the machine's load (``core.load``, the measure ``pick``
+    takes too). When other processes contended for the measured cores in any window, the run is
+    ``loaded``: its ratios measure them as much as the setting, so nothing is chosen (``Tuning.loaded``)."""
+    start = time.monotonic()
+    meter = load.Meter(int(bench.defaults["threads"]))
     values, skipped = bench.candidates()
     trials: list[Trial] = []
-    chosen: dict[str, Value] = {}
+    won: dict[str, list[Trial]] = {}
     for setting in only:
-        if setting not in values:
-            continue
-        won: list[Trial] = []
-        for value in values[setting]:
+        for value in values.get(setting, ()):
+            meter.lap()  # the window starts here: the load's own spin-up is not this value's
             try:
                 with bench.use(setting, value):
                     base, tried = side_by_side(bench, setting, value, lengths, rounds)
@@ -142,20 +147,19 @@ def tune(bench: Bench, *, only: tuple[str, ...] = tuned.SETTINGS, lengths: tuple
                 why = exc.message if isinstance(exc, ClefError) else f"{type(exc).__name__}: {exc}"
                 trial = Trial(setting, value, lengths, (), (), None, bar(setting, bench.device), False,
                               f"could not run: {why}")
-            progress(f"{setting}={value}: {'chosen' if trial.won else 'not chosen'}: {trial.reason}")
+            window = meter.lap()
+            trial = dataclasses.replace(trial, load=window.to_dict(), loaded=window.loaded)
+            under = " (under load: not kept)" if window.loaded else ""
+            progress(f"{setting}={value}: {'faster' if trial.won else 'not chosen'}{under}: {trial.reason}")
             trials.append(trial)
-            won += [trial] if trial.won else []
-        if won:
-            chosen[setting] = max(won, key=lambda t: min(t.speedups)).value
+            if trial.won:
+                won.setdefault(setting, []).append(trial)
+    loaded = any(t.loaded for t in trials)
+    chosen = {} if loaded else {s: max(ts, key=lambda t: min(t.speedups)).value for s, ts in won.items()}
     return Tuning(str(bench.tower.resolve()), bench.device, tuned.machine_hash(bench.device, tuned.gpu_names()
                   if bench.device == "gpu" else ()), dict(bench.defaults), chosen, tuple(trials),
                   {k: v for k, v in skipped.items() if k in only}, tuple(lengths), rounds, tuned.now(),
-                  round(time.monotonic() - start, 1), (busy, busy_now()))
-
-
-def busy_now() -> float:
-    """The 1-minute load average per core: above 1, other processes competed for the cores measured."""
-    return round(os.getloadavg()[0] / max(1, os.cpu_count() or 1), 2)
+                  round(time.monotonic() - start, 1), loaded)
 
 
 @dataclass

@@ -51,7 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                 "on the CPU for threads and pack size, which keep its arithmetic, else within max |dp| "
                 f"{GPU_MAX_DP:g}. The winners are kept per machine, llama.cpp build and model in "
                 "$HF_HOME/clef-gguf/tuned-settings.json, and every command that loads this model uses them "
-                "where no flag sets them (--no-tune: the defaults).")
+                "where no flag sets them (--no-tune: the defaults). A run during which other processes kept "
+                "the measured cores busy keeps nothing (it says so): run it again on a quiet machine.")
 
 
 def _settings(args: argparse.Namespace) -> dict:
@@ -62,15 +63,21 @@ def describe(t: Tuning, status: str = "") -> str:
     head = (f"tune: {t.model} on the {t.device}: {', '.join(map(str, t.lengths))}-token decisions, "
             f"{t.rounds} rounds, measured {t.measured_at} in {t.took_seconds:.1f} s{status}")
     lines = [head]
-    if t.busy and max(t.busy) > 1:
-        lines.append(f"  the machine was busy (load average {max(t.busy):.1f} per core): other processes competed "
-                     "for the cores; measure again when it is quiet")
     for trial in t.trials:
         spread = "; ".join(f"{lo:.2f}-{hi:.2f}" for lo, hi in trial.spreads)
+        verdict = ("faster, but timed under load" if trial.won and trial.loaded else
+                   "WINS" if trial.won and not t.loaded else "faster" if trial.won else "kept the default")
+        load = (f"; other processes held {trial.load['contended_cores']:.2f} of its cores"
+                if trial.loaded and trial.load else "")
         lines.append(f"  {trial.setting}={trial.value} ({t.defaults.get(trial.setting)} by default): "
-                     f"{'WINS' if trial.won else 'kept the default'}: {trial.reason} (per-round spread {spread})")
+                     f"{verdict}: {trial.reason} (per-round spread {spread}{load})")
     for setting, why in t.skipped.items():
         lines.append(f"  {setting}: not measured: {why}")
+    if t.loaded:
+        lines.append("chosen: nothing: other processes kept the measured cores busy while tune ran, so its "
+                     "ratios measure them too. Nothing was kept; the settings in force are unchanged. Run "
+                     "`clef-gguf tune` again when the machine is quiet.")
+        return "\n".join(lines)
     chosen = ", ".join(f"{k}={v}" for k, v in t.chosen.items())
     lines.append(f"chosen: {chosen} (every command loading this model here uses it; --no-tune: the defaults)"
                  if chosen else "chosen: nothing: the defaults stand")
@@ -108,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
                            progress=lambda line: print(f"tune: {line}", file=sys.stderr, flush=True))
     finally:
         bench.close()
-    tuned.store(result)
-    print(json.dumps(result.to_dict(), indent=2) if args.json else describe(result))
+    if not result.loaded:
+        tuned.store(result)  # a home that cannot be written is an error: nothing is said to be kept
+    print(json.dumps(result.to_dict() | {"kept": not result.loaded}, indent=2) if args.json else describe(result))
     return 0

@@ -84,3 +84,33 @@ def run_reference_decide(release: Path, requests: list[dict[str, Any]], tmp: Pat
     subprocess.run([sys.executable, str(HERE / "reference_decide.py"), str(release), str(requests_path),
                     str(out_path)], check=True, env=env, cwd=tmp, timeout=600)
     return torch.load(out_path, weights_only=True)
+
+
+NEVER_WAITS_S = 60.0  # far past any refusal, on any load; a read of a pipe with no writer never ends
+
+
+def refusal(call: Any, kind: type, field: str) -> Exception:
+    """What ``call()`` raises, which must be ``kind`` naming ``field``; run in a thread of its own so
+    that a read that waits on its file (a pipe, a device) fails the test instead of hanging it."""
+    import threading
+
+    import pytest
+
+    caught: list[BaseException] = []
+
+    def attempt() -> None:
+        try:
+            call()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            caught.append(exc)
+
+    thread = threading.Thread(target=attempt, daemon=True)
+    thread.start()
+    thread.join(NEVER_WAITS_S)
+    assert not thread.is_alive(), f"still waiting after {NEVER_WAITS_S:g} s: a refusal must not wait on the file"
+    if not caught:
+        pytest.fail(f"expected {kind.__name__}, nothing was raised")
+    if not isinstance(caught[0], kind):
+        raise caught[0]
+    assert getattr(caught[0], "field", None) == field
+    return caught[0]

@@ -387,3 +387,38 @@ def test_a_model_that_cannot_load_exits_1(tmp_path):
         assert proc.wait(DEADLINE_S) == 1
         assert "model_not_found" in server_log(proc)
         assert port_is_free(port)
+
+
+@pytest.mark.parametrize("command", [("serve",), ("ui", "--no-browser"), ("serve", "--engine", "ray-serve")])
+def test_a_taken_port_is_refused_before_any_model_loads(tmp_path, command):
+    """Another process listens on the port: the command exits 1 naming the address, and never loads the
+    model (a directory that holds none would otherwise be the error); the other process keeps its port."""
+    import subprocess
+    import sys
+
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        done = subprocess.run([sys.executable, "-c", "import sys; from clef_gguf.cli import main; sys.exit(main())",
+                               *command, "--model", str(tmp_path / "no-model-here"), "--port", str(port)],
+                              capture_output=True, text=True, timeout=DEADLINE_S)
+        assert done.returncode == 1, done.stderr
+        error = json.loads(done.stdout.splitlines()[-1])["error"]
+        assert error == {"code": "address_unavailable", "field": "port", "message":
+                         f"127.0.0.1:{port} is in use (another server listens there: stop it or choose another "
+                         "--port)"}
+        assert "model_not_found" not in done.stdout + done.stderr
+
+
+def test_an_address_not_of_this_machine_is_refused_naming_the_host():
+    from clef_gguf.core.errors import AddressUnavailable
+    from clef_gguf.server.http import listen
+
+    with pytest.raises(AddressUnavailable) as caught:
+        listen("192.0.2.1", 8080)  # TEST-NET-1: never this machine's
+    assert caught.value.field == "host" and caught.value.message.startswith("192.0.2.1:8080 is not an address")
+    with pytest.raises(AddressUnavailable, match="does not resolve"):
+        listen("no-such-host.invalid", 8080)
+    with listen("127.0.0.1", 0) as sock:  # port 0: a free one, chosen by the system (what `ui` binds)
+        assert sock.getsockname()[1] > 0

@@ -1,5 +1,6 @@
-"""clef-gguf tune: the decision rule on a fake measurement (an injected timer), the refusals, and one
-real run end to end on the tiny model (kept, shown, and used by the next load)."""
+"""clef-gguf tune: the decision rule on a fake measurement (an injected timer and machine load), the
+refusals, one real run end to end on the tiny model (kept, shown, and used by the next load), and one
+under real load (nothing kept). Every test but the last reads the machine's load from ``machine_load``."""
 
 from __future__ import annotations
 
@@ -11,13 +12,16 @@ import numpy as np
 import pytest
 
 from clef_gguf import cli
-from clef_gguf.core.errors import InvalidSetting
+from clef_gguf.core import load
+from clef_gguf.core.errors import CacheNotWritable, InvalidSetting
 from clef_gguf.core.limits import GPU_MAX_DP
 from clef_gguf.models import tuned
 from clef_gguf.runtime.model import Clef
 from clef_gguf.tools import tune
 
 LENGTHS = (466, 1986)
+REAL_METER = load.Meter
+pytestmark = pytest.mark.usefixtures("machine_load")
 
 
 class FakeBench:
@@ -156,20 +160,48 @@ def test_a_real_run_on_the_tiny_model_is_kept_shown_and_used(capsys, tmp_path, t
         assert clef.tower.n_batch == 512
 
 
-def test_the_text_says_what_won_why_and_whether_the_machine_was_busy(monkeypatch):
+def test_the_text_says_what_won_and_why(machine_load):
     from clef_gguf.tools.tune_command import describe
 
-    monkeypatch.setattr(tune.os, "getloadavg", lambda: (9.0, 9.0, 9.0))
     bench = FakeBench({("decode_chunk", None): secs(1.0, 4.0), ("decode_chunk", 256): secs(0.8, 3.0)},
                       skipped={"head_device": "no CUDA device: the head runs on the CPU"})
     result = tune.tune(bench, lengths=LENGTHS, rounds=2)
-    assert len(result.busy) == 2 and min(result.busy) > 1
+    assert not result.loaded and not result.trials[0].loaded and result.trials[0].load["contended_cores"] == 0
     text = describe(result)
     assert "decode_chunk=256 (512 by default): WINS: faster at every length: 1.25x at 466, 1.33x at 1986" in text
     assert "head_device: not measured: no CUDA device" in text and "chosen: decode_chunk=256" in text
-    assert "the machine was busy" in text
-    monkeypatch.setattr(tune.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
-    assert "busy" not in describe(tune.tune(bench, lengths=LENGTHS, rounds=2))
+    assert "under load" not in text
+
+
+def test_a_run_under_load_chooses_nothing_and_says_so(machine_load):
+    """Other processes on the measured cores while a value is timed: the ratio measures them too. The run
+    chooses nothing, its text says why, and the store refuses it."""
+    from clef_gguf.tools.tune_command import describe
+
+    machine_load.busy(1.7)
+    bench = FakeBench({("threads", None): secs(1.0, 4.0), ("threads", 1): secs(0.4, 1.6)})  # 2.5x: load's artifact
+    result = tune.tune(bench, lengths=LENGTHS, rounds=2)
+    assert result.loaded and result.chosen == {}
+    trial = result.trials[0]
+    assert trial.won and trial.loaded and trial.load["contended_cores"] == 1.7
+    text = describe(result)
+    assert "threads=1 (2 by default): faster, but timed under load" in text and "held 1.70 of its cores" in text
+    assert "chosen: nothing: other processes kept the measured cores busy" in text and "Nothing was kept" in text
+    with pytest.raises(InvalidSetting, match="under load is not kept"):
+        tuned.store(result)
+    assert tuned.Tuning.from_dict(json.loads(json.dumps(result.to_dict()))) == result
+
+
+def test_a_home_that_cannot_be_written_is_an_error_not_a_claim(fake_tower, tmp_path, monkeypatch):
+    home = tmp_path / "read-only"
+    home.mkdir()
+    (home / "clef-gguf").write_text("a file where the folder should be")
+    monkeypatch.setenv("HF_HOME", str(home))
+    result = tuned.Tuning(str(fake_tower), "cpu", tuned.machine_hash("cpu"), {"threads": 2}, {"threads": 1})
+    with pytest.raises(CacheNotWritable) as caught:
+        tuned.store(result)
+    assert caught.value.field == "HF_HOME" and "nothing was kept" in caught.value.message
+    assert caught.value.exit_code == 1
 
 
 def test_a_value_that_cannot_run_is_reported_and_the_run_goes_on():
@@ -228,3 +260,30 @@ def test_an_nvfp4_checkpoint_is_refused_and_its_loads_refuse_llama_settings(caps
     assert error["field"] == "model" and "tune measures llama.cpp towers" in error["message"]
     with pytest.raises(InvalidSetting, match="--pack-size"):
         Clef.load(model, pack_size=2)
+
+
+@pytest.mark.live_machine
+def test_tune_under_real_load_keeps_nothing_under_any_load(capsys, tmp_path, tiny_model_dir_factory, monkeypatch):
+    """A process spinning on every core through a real run: tune says the run was under load, chooses
+    nothing and keeps nothing; the defaults stay in force. (More load only makes it more so.)"""
+    import subprocess
+    import sys
+
+    import psutil
+
+    monkeypatch.setattr(load, "Meter", REAL_METER)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    model = tiny_model_dir_factory("q8_0")
+    spin = "import time\nt = time.time()\nwhile time.time() - t < 120: pass"
+    spinners = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(psutil.cpu_count() or 1)]
+    try:
+        code = cli.main(["tune", "--model", str(model), "--lengths", "40", "--rounds", "2", "--only", "decode_chunk"])
+    finally:
+        for s in spinners:
+            s.kill()
+            s.wait()
+    out = capsys.readouterr().out
+    assert code == 0 and "chosen: nothing: other processes kept the measured cores busy" in out
+    assert not tuned.cache_path().exists()
+    with Clef.load(model) as clef:
+        assert clef.info["tuned"] == {} and clef.tower.n_batch == 512
