@@ -2,8 +2,8 @@
 # The GPU check, for a GPU host that reaches no package index (docs/gpu.md).
 #   bash scripts/gpu-check.sh BUNDLE [--deadline S] [--kernels-s S] [--rows a,b] [--report FILE]
 #       installs BUNDLE (scripts/gpu-bundle.sh made it: llama-cpp-python built for CUDA, the wheels the
-#       host may lack, this project's wheel) into a site folder with no index, then runs
-#       scripts/gpu_check.py: one JSON report, rows in priority order, each measurement written as taken,
+#       host may lack, this project's wheel) into a site folder with no index, then runs the package
+#       scripts/gpu_check (by path): one JSON report, rows in priority order, each measurement written as taken,
 #       a row that does not fit the time left `skipped`, one the deadline reaches `cut` with what it
 #       measured (default 480 s for every row but kernels, then --kernels-s). Exit 1 when a row failed.
 #   bash scripts/gpu-check.sh --dry-run [--report FILE]
@@ -48,5 +48,6 @@ while [ $# -gt 0 ]; do
   esac
 done
 # From a folder with no clef_gguf/ in it: `python -m` there imports the installed package, never the clone's.
+# The package runs by path: its sys.path starts with scripts/, never the current folder.
 cd "$(mktemp -d)"
-exec python3 "$root/scripts/gpu_check.py" --report "$report" "${args[@]}" "${rest[@]}"
+exec python3 "$root/scripts/gpu_check" --report "$report" "${args[@]}" "${rest[@]}"

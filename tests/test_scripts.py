@@ -1,13 +1,17 @@
-"""The GPU check scripts run here too. ``gpu-check.sh --dry-run`` runs every row's code path on the CPU
-(the report's schema, the priority order); the plan and the deadline are checked with a fake clock and
-with rows of a few seconds (a row cut off keeps its measurements and leaves no process behind); the
-bundle is made with a prebuilt llama.cpp wheel from a local wheel folder and installed with no index;
-``gpu_check_nvfp4.py`` asserts what is true of this machine (a CUDA device or not: both branches assert,
-neither is skipped)."""
+"""The GPU check (the package ``scripts/gpu_check``) runs here too. ``gpu-check.sh --dry-run`` runs every
+row's code path on the CPU (the report's schema, the priority order); the plan and the deadline are
+checked with a fake clock and with rows of a few seconds (a row cut off keeps its measurements and leaves
+no process behind); the bundle is made with a prebuilt llama.cpp wheel from a local wheel folder and
+installed with no index; ``python scripts/gpu_check nvfp4-backend`` asserts what is true of this machine
+(a CUDA device or not: both branches assert, neither is skipped). The package's modules import one way
+only (no cycle), and every parity bar it applies is ``clef_gguf.core.limits``'."""
 
+import ast
+import importlib
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -16,16 +20,19 @@ from pathlib import Path
 
 import pytest
 
+from clef_gguf.core import limits
+
 ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "scripts" / "gpu_check"
 
 
-def _run(script: str, timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / script)],
-                          capture_output=True, text=True, timeout=timeout)
+def _run(*argv: str, timeout: float) -> subprocess.CompletedProcess:
+    """``python scripts/gpu_check ARGV``: the package by path, as gpu-check.sh runs it."""
+    return subprocess.run([sys.executable, str(PACKAGE), *argv], capture_output=True, text=True, timeout=timeout)
 
 
 def cuda_device() -> bool:
-    """Whether torch sees a CUDA device, as ``gpu_check_nvfp4.py`` asks."""
+    """Whether torch sees a CUDA device, as ``gpu_check.nvfp4_backend`` asks."""
     import torch
 
     return torch.cuda.is_available()
@@ -45,7 +52,7 @@ def assert_nvfp4_check(stdout: str, returncode: int, cuda: bool, stderr: str) ->
         assert set(kernel) == {"false", "true"}, report
         assert all(isinstance(k, str) and k for k in kernel.values()), report
         worst = report["tiny_fp32_gpu_vs_cpu_max_abs_dp"]
-        assert worst["nvfp4a16"] <= 1e-5 and worst["nvfp4"] <= 5e-3, report
+        assert worst["nvfp4a16"] <= limits.NVFP4_FP32_MAX_DP and worst["nvfp4"] <= limits.NVFP4_W4A4_FP32_MAX_DP, report
         assert set(report["latency_ms"]) == {"tiny", "qwen08b"}, report
         for preset, schemes in report["latency_ms"].items():
             assert set(schemes) == {"nvfp4a16", "nvfp4"}, (preset, schemes)
@@ -59,24 +66,29 @@ def assert_nvfp4_check(stdout: str, returncode: int, cuda: bool, stderr: str) ->
 
 def test_nvfp4_gpu_check_reports_what_this_machine_has():
     cuda = cuda_device()
-    print(f"\ngpu_check_nvfp4.py {'with a CUDA device' if cuda else 'without CUDA'}")
+    print(f"\ngpu_check nvfp4-backend {'with a CUDA device' if cuda else 'without CUDA'}")
     # on a GPU it builds, quantizes and times a 0.8B-shaped release as well: a longer bound
-    proc = _run("gpu_check_nvfp4.py", timeout=900 if cuda else 300)
+    proc = _run("nvfp4-backend", timeout=900 if cuda else 300)
     assert_nvfp4_check(proc.stdout, proc.returncode, cuda, proc.stderr)
 
 
 ROWS = ["preflight", "parity", "latency", "throughput", "pick", "nvfp4", "kernels"]
 
 
-def _module(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+def _package() -> None:
+    """``scripts/gpu_check`` imported as ``gpu_check``, the name its modules import each other by
+    (``scripts/`` itself stays off ``sys.path``)."""
+    spec = importlib.util.spec_from_file_location("gpu_check", PACKAGE / "__init__.py",
+                                                  submodule_search_locations=[str(PACKAGE)])
     module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
+    sys.modules["gpu_check"] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
-    return module
 
 
-gpu_check = _module("gpu_check")
+_package()
+gpu_run = importlib.import_module("gpu_check.run")  # the plan and the deadline
+gpu_rows = importlib.import_module("gpu_check.rows")  # the rows in priority order
+gpu_common = importlib.import_module("gpu_check.common")  # the common rows
 
 
 def _check(*argv: str, tmp_path: Path, timeout: float = 1200, **env: str) -> tuple[subprocess.CompletedProcess, dict]:
@@ -114,7 +126,7 @@ def test_the_dry_run_runs_every_row_on_the_cpu_into_one_report(tmp_path):
     assert all(0 <= v < 1 for v in nv["max_abs_dp_vs_pytorch"].values())
     assert set(nv["pytorch_decisions_per_s"]) == {"pack_1", "packed"}
     bf16 = nv["pytorch_bf16_vs_reference_bf16"]
-    assert 0 <= bf16["max_abs_dp"] <= 1e-2 and 0 <= bf16["hidden_max_rel"] < 2e-2, bf16
+    assert 0 <= bf16["max_abs_dp"] <= limits.NVFP4_BF16_MAX_DP and 0 <= bf16["hidden_max_rel"] < 2e-2, bf16
     tune = rows["kernels"]["tune"]  # clef-gguf tune's JSON, as it printed it
     assert tune["device"] == "cpu" and tune["trials"] and isinstance(tune["chosen"], dict)
 
@@ -140,7 +152,7 @@ def test_the_plan_skips_a_row_whose_cost_does_not_fit_the_time_left(tmp_path):
         return {"status": "measured"}
 
     report = tmp_path / "r.json"
-    assert gpu_check.main(["--report", str(report)], clock=clock, runner=runner) == 0
+    assert gpu_run.main(["--report", str(report)], clock=clock, runner=runner) == 0
     data = json.loads(report.read_text())
     status = {r["name"]: r["status"] for r in data["rows"]}
     assert status == {**{n: "measured" for n in ROWS}, "nvfp4": "skipped"}
@@ -148,13 +160,14 @@ def test_the_plan_skips_a_row_whose_cost_does_not_fit_the_time_left(tmp_path):
     assert "50 s left" in nvfp4["reason"] and "plans 150 s" in nvfp4["reason"]
     assert budgets["preflight"] == 480 and budgets["pick"] == 110 and budgets["kernels"] == 180
     assert data["finished"] and data["failed"] == [] and data["seconds"] == sum(took.values())
-    assert gpu_check.plan_row(gpu_check.gpu_rows.ROWS[0], 0.5, dry=True).run is False
-    assert gpu_check.plan_row(gpu_check.gpu_rows.ROWS[-1], 2.0, dry=True).run is True  # no costs in a dry run
+    assert gpu_run.plan_row(gpu_rows.ROWS[0], 0.5, dry=True).run is False
+    assert gpu_run.plan_row(gpu_rows.ROWS[-1], 2.0, dry=True).run is True  # no costs in a dry run
 
 
 SLOW_ROWS = '''
 import os, subprocess, sys, time
-from gpu_rows import Row, record
+from gpu_check.report import record
+from gpu_check.rows import Row
 
 def quick(work, dry):
     return {"status": "passed", "value": record("value", 1)}
@@ -171,7 +184,7 @@ ROWS = (Row("quick", quick, 1), Row("stuck", stuck, 1))
 '''
 BURST_ROWS = '''
 import json, sys, time
-from gpu_rows import Row
+from gpu_check.rows import Row
 
 def burst(work, dry):
     a, b = ({"measure": key, "value": value} for key, value in (("a", 1), ("b", 2)))
@@ -198,7 +211,7 @@ def test_a_row_cut_off_keeps_what_it_measured_and_leaves_no_process(tmp_path):
     report = tmp_path / "r.json"
     work = tmp_path / "work"
     work.mkdir()
-    proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--dry-run", "--deadline", "40",
+    proc = subprocess.Popen([sys.executable, str(PACKAGE), "--dry-run", "--deadline", "40",
                              "--rows-from", str(rows), "--report", str(report)],
                             env={**os.environ, "CLEF_GPU_WORK": str(work), "GRANDCHILD_PID": str(tmp_path / "pid")},
                             stderr=subprocess.PIPE, text=True)
@@ -231,7 +244,7 @@ def test_with_a_fake_clock_the_deadline_cuts_a_row_after_its_second_measurement(
     entry: dict = {}
     saved = []
     clock = lambda: 1e9 if "second" in entry.get("measured", {}) else 0.0  # noqa: E731
-    result = gpu_check.run_row("stuck", tmp_path, True, 600, entry, lambda: saved.append(dict(entry["measured"])),
+    result = gpu_run.run_row("stuck", tmp_path, True, 600, entry, lambda: saved.append(dict(entry["measured"])),
                                str(rows), clock)
     assert result["status"] == "cut" and entry["measured"] == {"first": 1, "second": 2}
     assert saved == [{"first": 1}, {"first": 1, "second": 2}]  # the report was written at each one
@@ -244,37 +257,37 @@ def test_lines_that_arrive_together_are_all_kept_before_the_deadline(tmp_path):
     rows = tmp_path / "rows.py"
     rows.write_text(BURST_ROWS)
     entry: dict = {}
-    result = gpu_check.run_row("burst", tmp_path, True, 8, entry, lambda: None, str(rows))
+    result = gpu_run.run_row("burst", tmp_path, True, 8, entry, lambda: None, str(rows))
     assert result["status"] == "cut" and entry["measured"] == {"a": 1, "b": 2}, (result, entry)
 
 
 def test_preflight_names_every_missing_or_unfit_dependency(tmp_path, monkeypatch):
     """The bundle installs --no-deps: preflight walks clef-gguf's requirements (and their own) and names
     what is not installed or not at a version asked for."""
-    assert gpu_check.gpu_rows.missing_distributions() == []  # this environment has the whole closure
+    assert gpu_common.missing_distributions() == []  # this environment has the whole closure
     info = tmp_path / "fake_dist-1.0.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fake-dist\nVersion: 1.0\n"
                                    "Requires-Dist: no-such-dist-xyz>=1\nRequires-Dist: pytest<1\n"
                                    "Requires-Dist: another-missing; extra == 'unused'\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    missing = gpu_check.gpu_rows.missing_distributions("fake-dist", (), ())
+    missing = gpu_common.missing_distributions("fake-dist", (), ())
     assert missing[0].startswith("no-such-dist-xyz (not installed; fake-dist needs it)")
     assert missing[1].startswith("pytest ") and "(not <1; fake-dist needs it)" in missing[1] and len(missing) == 2
-    assert gpu_check.gpu_rows.missing_distributions("clef-gguf", (), ("absent-dist-xyz",)) == [
+    assert gpu_common.missing_distributions("clef-gguf", (), ("absent-dist-xyz",)) == [
         "absent-dist-xyz (not installed)"]
 
 
 def test_a_row_that_fails_is_reported_so_and_fails_the_check(tmp_path):
     entry: dict = {}
-    crashed = gpu_check.run_row("no-such-row", tmp_path, True, 120, entry, lambda: None)  # the child raises
+    crashed = gpu_run.run_row("no-such-row", tmp_path, True, 120, entry, lambda: None)  # the child raises
     assert crashed["status"] == "failed" and "KeyError" in crashed["reason"]
 
     def runner(name, work, dry, left, entry, save, rows_from, clock):
         return {"status": "failed", "reason": "GPU and CPU disagree"} if name == "parity" else {"status": "passed"}
 
     report = tmp_path / "r.json"
-    assert gpu_check.main(["--dry-run", "--rows", "pick,preflight,parity", "--report", str(report)], runner=runner) == 1
+    assert gpu_run.main(["--dry-run", "--rows", "pick,preflight,parity", "--report", str(report)], runner=runner) == 1
     data = json.loads(report.read_text())
     assert data["failed"] == ["parity"]
     assert [(r["name"], r["status"]) for r in data["rows"]] == [  # priority order, whatever --rows said
@@ -283,7 +296,7 @@ def test_a_row_that_fails_is_reported_so_and_fails_the_check(tmp_path):
 
 def test_an_unknown_row_is_refused_by_name(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
-        gpu_check.main(["--dry-run", "--rows", "latency,warp", "--report", str(tmp_path / "r.json")])
+        gpu_run.main(["--dry-run", "--rows", "latency,warp", "--report", str(tmp_path / "r.json")])
     assert exc.value.code == 2 and "warp" in capsys.readouterr().err
 
 
@@ -295,6 +308,99 @@ def test_a_relative_report_path_is_the_callers_folders(tmp_path):
         assert proc.returncode == 0, proc.stderr
     for name in ("here.json", "there.json"):
         assert json.loads((tmp_path / name).read_text())["rows"][0]["name"] == "preflight"
+
+
+def _script_modules() -> dict[str, Path]:
+    """Every module of ``scripts/`` by the name it is imported by: a script by its stem, the GPU check's
+    modules as ``gpu_check.NAME`` (its ``__init__`` as ``gpu_check``)."""
+    found = {path.stem: path for path in (ROOT / "scripts").glob("*.py")}
+    for path in PACKAGE.glob("*.py"):
+        found["gpu_check" if path.stem == "__init__" else f"gpu_check.{path.stem}"] = path
+    return found
+
+
+def _imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """The modules of ``known`` that ``name`` imports anywhere in its file (inside functions too, a
+    package's ``__init__`` with each of its modules; ``from pkg import mod`` -> ``pkg.mod``)."""
+    package = name if path.stem == "__init__" else name.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package ``level - 1`` folders up
+                parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join([*parts, *([node.module] if node.module else [])])
+            targets = [base, *(f"{base}.{alias.name}" for alias in node.names)]
+        else:
+            continue
+        for target in targets:
+            parts = target.split(".")
+            out |= {m for m in (".".join(parts[:i]) for i in range(1, len(parts) + 1)) if m in known}
+    return out - {name}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of ``graph`` as the path that closes it, or None."""
+    state: dict[str, str] = {}
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                return [*path[path.index(nxt):], nxt] if nxt in path else [*path, nxt]
+            if nxt not in state and (found := visit(nxt, [*path, nxt])):
+                return found
+        state[node] = "done"
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (found := visit(start, [start])):
+            return found
+    return None
+
+
+def test_no_module_of_scripts_imports_one_that_imports_it_back():
+    """The GPU check is one package whose modules import one way only (``report`` <- ``common`` <- ``nvfp4``
+    <- ``rows`` <- ``run``; the commands on top), and no script of ``scripts/`` is part of a cycle."""
+    modules = _script_modules()
+    graph = {name: _imports_of(name, path, set(modules)) for name, path in modules.items()}
+    assert _cycle(graph) is None, f"an import cycle in scripts/: {' -> '.join(_cycle(graph))}"
+    assert {"gpu_check.report", "gpu_check.common"} <= graph["gpu_check.nvfp4"]  # the checks see imports
+    assert graph["gpu_check.rows"] >= {"gpu_check.common", "gpu_check.nvfp4"} and not graph["gpu_check.report"]
+    scripts = [m for m in modules if "." not in m]
+    beside = [m for m in scripts if m.startswith("gpu_") and m not in {"gpu_check", "gpu_bundle_wheels"}]
+    assert not beside, f"GPU check modules beside the package, not in it: {beside}"
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]  # the check finds one
+
+
+BAR_NAME = re.compile(r"BAR|PARITY|GOAL|TARGET|MAX_DP|TOLERANCE")
+
+
+def test_every_parity_bar_of_the_gpu_check_comes_from_core_limits():
+    """No |dp| bar is written in the package: no float literal of a bar's size (up to 1e-2), no module
+    constant named like a bar that holds a number of its own; what it imports from ``core.limits`` is there."""
+    for path in sorted(PACKAGE.glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        small = [(node.lineno, node.value) for node in ast.walk(tree)
+                 if isinstance(node, ast.Constant) and isinstance(node.value, float) and 0 < node.value <= 1e-2]
+        assert not small, f"{path.name}: parity bars written as literals (lines, values) {small}: core.limits'"
+        for node in tree.body:
+            if isinstance(node, ast.Assign):
+                targets, value = node.targets, node.value
+            elif isinstance(node, ast.AnnAssign) and node.value is not None:
+                targets, value = [node.target], node.value
+            else:
+                continue
+            names = [t.id for t in targets if isinstance(t, ast.Name) and BAR_NAME.search(t.id)]
+            numbers = [c.value for c in ast.walk(value) if isinstance(c, ast.Constant)
+                       and isinstance(c.value, (int, float)) and not isinstance(c.value, bool)]
+            assert not (names and numbers), (
+                f"{path.name}:{node.lineno}: {names} holds its own numbers {numbers}: a bar belongs in core.limits")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "clef_gguf.core.limits":
+                assert all(hasattr(limits, alias.name) for alias in node.names), (path.name, node.lineno)
 
 
 def _wheel(folder: Path, name: str, version: str, files: dict[str, str] | None = None,

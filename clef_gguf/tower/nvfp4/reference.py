@@ -5,7 +5,7 @@ The backend swaps each quantized Linear for an NVFP4 layer inside transformers' 
 instead copies every quantized weight's dequantized value into the stock ``nn.Linear`` (and, for W4A4,
 fake-quantizes the activations ahead of it with the checkpoint's ``input_global_scale``). Same weights,
 the reference's own layers: the tests hold the backend to it in fp32 on the CPU, the GPU check
-(``scripts/gpu_rows.py``) in bf16 on the GPU, like for like.
+(``scripts/gpu_check/nvfp4.py``) in bf16 on the GPU, like for like.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
-"""The GPU check: one JSON report of the rows of ``gpu_rows.ROWS``, in priority order, within a deadline.
+"""The GPU check: one JSON report of the rows of ``rows.ROWS``, in priority order, within a deadline.
 
-    python scripts/gpu_check.py --report REPORT.json [--deadline 480] [--kernels-s 180] [--dry-run] [--rows a,b]
+    python scripts/gpu_check --report REPORT.json [--deadline 480] [--kernels-s 180] [--dry-run] [--rows a,b]
 
 Each row runs in a process group of its own (``--row NAME``: a crash or a hang is that row's, and the
 deadline ends it with every process it started). A row prints each measurement as it takes it; the
-report is rewritten at once, so a row cut off by the deadline keeps what it measured (status ``cut``).
-A row whose declared cost (planned seconds on a 16-core GPU host) does not fit in the time left is
-``skipped`` before it starts. ``--deadline`` bounds every row but ``kernels``, which runs last within
+report (``report``) is rewritten at once, so a row cut off by the deadline keeps what it measured (status
+``cut``). A row whose declared cost (planned seconds on a 16-core GPU host) does not fit in the time left
+is ``skipped`` before it starts. ``--deadline`` bounds every row but ``kernels``, which runs last within
 its own ``--kernels-s`` (``clef-gguf tune`` on the GPU). Neither ``skipped`` nor ``cut`` is a failure;
 the exit status is 1 when a row ``failed``. ``--dry-run`` runs every row's code on the CPU at the tiny
 shapes (the test suite does), with no cost check. ``scripts/gpu-check.sh BUNDLE`` installs the offline
@@ -16,7 +16,6 @@ bundle and runs this from a directory that holds no ``clef_gguf/`` source folder
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.util
 import json
 import os
@@ -30,26 +29,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu_rows  # noqa: E402 - beside this script, not a package
+from clef_gguf.core.children import LineReader
+from gpu_check import command, report as reports, rows as table
+from gpu_check.report import STATUSES
 
-from clef_gguf.core.children import LineReader  # noqa: E402
-
-SCHEMA = "clef-gguf-gpu-check/2"
-STATUSES = ("passed", "failed", "measured", "skipped", "cut")
 DEFAULT_DEADLINE_S = 480  # 8 minutes for every row but kernels, which has a budget of its own
 KILL_GRACE_S = 5.0  # SIGTERM to SIGKILL of a row's process group
 # The check is offline by design: no hub, no telemetry, whatever the caller's environment says.
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
                "HF_HUB_DISABLE_TELEMETRY": "1", "DO_NOT_TRACK": "1"}
 Clock = Callable[[], float]
-
-
-def write(path: Path, report: dict) -> None:
-    """The report as it stands, replaced whole (a reader never sees half a file)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=1), encoding="utf-8")
-    os.replace(tmp, path)
 
 
 @dataclass(frozen=True)
@@ -62,7 +51,7 @@ class Step:
     reason: str = ""
 
 
-def plan_row(row: gpu_rows.Row, left: float, dry: bool) -> Step:
+def plan_row(row: table.Row, left: float, dry: bool) -> Step:
     """Run ``row`` with ``left`` seconds to go, or skip it: its cost must fit (the dry run: any time left)."""
     need = 1.0 if dry else row.cost_s
     if left < need:
@@ -71,9 +60,9 @@ def plan_row(row: gpu_rows.Row, left: float, dry: bool) -> Step:
 
 
 def rows_module(path: str | None) -> Any:
-    """``gpu_rows``, or the module at ``path`` (the tests' rows: the same protocol, seconds long)."""
+    """``rows``, or the module at ``path`` (the tests' rows: the same protocol, seconds long)."""
     if not path:
-        return gpu_rows
+        return table
     spec = importlib.util.spec_from_file_location("gpu_rows_under_test", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
@@ -112,7 +101,7 @@ def run_row(name: str, work: Path, dry: bool, left: float, entry: dict, save: Ca
             rows_from: str | None = None, clock: Clock = time.monotonic) -> dict:
     """One row in a process group of its own, ended at ``left`` seconds; each measurement it prints
     goes into ``entry["measured"]`` and ``save()`` at once. Its result, or why it has none."""
-    cmd = [sys.executable, __file__, "--row", name, "--work", str(work)] + (["--dry-run"] if dry else [])
+    cmd = command("--row", name, "--work", str(work)) + (["--dry-run"] if dry else [])
     cmd += ["--rows-from", rows_from] if rows_from else []
     err = tempfile.TemporaryFile(mode="w+")
     # HF_HOME in the run's folder: pick's speed table and tune's winners for the random models stay there
@@ -139,8 +128,9 @@ def run_row(name: str, work: Path, dry: bool, left: float, entry: dict, save: Ca
                 msg = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a library's print on stdout
-            if isinstance(msg, dict) and gpu_rows.MEASURE in msg:
-                entry.setdefault("measured", {})[msg[gpu_rows.MEASURE]] = msg.get("value")
+            measured = reports.measurement(msg)
+            if measured is not None:
+                entry.setdefault("measured", {})[measured[0]] = measured[1]
                 save()
             elif isinstance(msg, dict) and "status" in msg:
                 final = msg
@@ -175,14 +165,9 @@ def child(module: Any, name: str, work: Path, dry: bool) -> int:
     return 0
 
 
-def _bundle() -> dict | None:
-    """What the installed bundle says of itself (gpu-bundle.sh's BUILD.json), where gpu-check.sh names one."""
-    path = os.environ.get("CLEF_GPU_BUNDLE")
-    return json.loads(Path(path).read_text(encoding="utf-8")) if path and Path(path).is_file() else None
-
-
 def main(argv: list[str] | None = None, clock: Clock = time.monotonic, runner: Callable[..., dict] = run_row) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="scripts/gpu_check", description=__doc__.splitlines()[0],
+                                epilog="`python scripts/gpu_check nvfp4-backend`: the nvfp4 backend's own check")
     p.add_argument("--report", type=Path, help="the JSON report to write (default: gpu-check-report.json)")
     p.add_argument("--deadline", type=float, default=DEFAULT_DEADLINE_S,
                    help=f"seconds for every row but kernels (default {DEFAULT_DEADLINE_S})")
@@ -206,13 +191,8 @@ def main(argv: list[str] | None = None, clock: Clock = time.monotonic, runner: C
     os.environ.update(OFFLINE_ENV)
     start = clock()
     report_path = args.report or Path("gpu-check-report.json")
-    now = datetime.datetime.now(datetime.timezone.utc)
-    report: dict = {"schema": SCHEMA, "started": now.isoformat(timespec="seconds"),
-                    "deadline_s": args.deadline, "dry_run": args.dry_run, "offline_env": OFFLINE_ENV,
-                    "planned_s": {n: rows[n].cost_s for n in wanted}, "bundle": _bundle(),
-                    "rows": [{"name": n, "priority": i + 1, "status": "pending"} for i, n in enumerate(wanted)],
-                    "finished": False}
-    write(report_path, report)
+    report = reports.start(args.deadline, args.dry_run, OFFLINE_ENV, {n: rows[n].cost_s for n in wanted})
+    reports.write(report_path, report)
     with tempfile.TemporaryDirectory(prefix="clef-gpu-check-", dir=os.environ.get("CLEF_GPU_WORK")) as work:
         kernels_start = None
         for entry in report["rows"]:
@@ -229,18 +209,12 @@ def main(argv: list[str] | None = None, clock: Clock = time.monotonic, runner: C
                 result = {"status": "skipped", "reason": step.reason}
             else:
                 entry["status"] = "running"
-                write(report_path, report)
+                reports.write(report_path, report)
                 result = runner(row.name, Path(work), args.dry_run, step.budget, entry,
-                                lambda: write(report_path, report), args.rows_from, clock)
+                                lambda: reports.write(report_path, report), args.rows_from, clock)
             entry.update(result, seconds=round(clock() - t0, 1))
-            write(report_path, report)
+            reports.write(report_path, report)
             print(f"{entry['name']}: {entry['status']} ({entry['seconds']} s)", file=sys.stderr, flush=True)
-    report["finished"] = True
-    report["failed"] = [r["name"] for r in report["rows"] if r["status"] == "failed"]
-    report["seconds"] = round(clock() - start, 1)
-    write(report_path, report)
+    reports.finish(report, clock() - start)
+    reports.write(report_path, report)
     return 1 if report["failed"] else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,17 +1,17 @@
-"""The GPU check's nvfp4 row (``gpu_rows.ROWS``): one checkpoint three ways, and the PyTorch backend like
-for like.
+"""The GPU check's nvfp4 row: one checkpoint three ways, and the PyTorch backend like for like.
 
 On a 0.8B-shaped release (dry run: tiny) quantized to NVFP4A16 by our converter: the NVFP4 GGUF through
 llama.cpp, Q4_K_M (the release quantized by llama.cpp) and the PyTorch NVFP4 backend, side by side at
 ~466 tokens: latency, and each llama.cpp file's max |dp| against the backend over the sample requests
-(the target, reported: the NVFP4 GGUF within ``GGUF_BAR`` of it). Then the backend like for like: fp32 on the GPU
-against fp32 on the CPU, the CPU half in a process of its own where flash-linear-attention and
-causal-conv1d are hidden (transformers binds their Triton/CUDA kernels when it is first imported; they
-take no CPU tensors), bar 1e-5 with the same kernels on both sides or ``FAST_FP32_BAR`` through fla;
-and bf16 on the device against transformers' own model on the same dequantized weights
-(``tower.nvfp4.reference``; bar ``BF16_BAR``).
+(the target, reported: the NVFP4 GGUF within ``limits.NVFP4_GGUF_TARGET_DP`` of it). Then the backend
+like for like: fp32 on the GPU against fp32 on the CPU, the CPU half (:func:`cpu_half`) in a process of
+its own where flash-linear-attention and causal-conv1d are hidden (transformers binds their Triton/CUDA
+kernels when it is first imported; they take no CPU tensors), bar ``limits.NVFP4_FP32_MAX_DP`` with the
+same kernels on both sides or ``limits.NVFP4_FLA_FP32_MAX_DP`` through fla; and bf16 on the device
+against transformers' own model on the same dequantized weights (``tower.nvfp4.reference``; bar
+``limits.NVFP4_BF16_MAX_DP``).
 
-    python scripts/gpu_rows_nvfp4.py CHECKPOINT   # the CPU half: one JSON line (probabilities, kernels)
+    python scripts/gpu_check nvfp4-cpu-half CHECKPOINT   # the CPU half: one JSON line (probabilities, kernels)
 """
 
 from __future__ import annotations
@@ -25,13 +25,11 @@ from typing import Any
 
 import numpy as np
 
-from gpu_rows import latency_by_length, placement, record, tokens  # beside this script
+from clef_gguf.core.limits import NVFP4_BF16_MAX_DP, NVFP4_FLA_FP32_MAX_DP, NVFP4_FP32_MAX_DP, NVFP4_GGUF_TARGET_DP
+from gpu_check import command
+from gpu_check.common import latency_by_length, placement, tokens
+from gpu_check.report import record
 
-GGUF_BAR = 1e-2  # the NVFP4 GGUF against the PyTorch backend: the target, reported (the tiny model misses it)
-# bf16 backend vs bf16 reference: the same weights through the same layers, so only the order of bf16
-# sums may differ (kernels chosen by shape); a wrong kernel or wiring moves answers by far more
-BF16_BAR = 1e-2
-FAST_FP32_BAR = 1e-3  # fp32 on the GPU through flash-linear-attention against the CPU's reference code
 HIDDEN = ("fla", "causal_conv1d")  # packages whose kernels the CPU half must not bind
 
 
@@ -51,6 +49,11 @@ def cpu_half(argv: list[str]) -> int:
     probs, kernels = _probabilities(Path(argv[0]), gpu_layers=0, head_device="cpu", nvfp4_dtype="fp32")
     print(json.dumps({"probabilities": probs, "linear_kernels": kernels}))
     return 0
+
+
+def run_cpu_half(checkpoint: Path) -> subprocess.CompletedProcess:
+    """:func:`cpu_half` on ``checkpoint`` in a process of its own (its JSON line is the last of stdout)."""
+    return subprocess.run(command("nvfp4-cpu-half", str(checkpoint)), capture_output=True, text=True, timeout=900)
 
 
 def _max_dp(a: list[list[float]], b: list[list[float]]) -> float:
@@ -78,20 +81,20 @@ def nvfp4(work: Path, dry: bool) -> dict:
     vs_backend = {name: record(f"max_abs_dp_vs_pytorch/{name}", _max_dp(probs[name], probs["pytorch-nvfp4a16"]))
                   for name in ("nvfp4-gguf", "Q4_K_M")}
     gpu_fp32, gpu_kernels = _probabilities(checkpoint, nvfp4_dtype="fp32", **placement(dry))
-    proc = subprocess.run([sys.executable, __file__, str(checkpoint)], capture_output=True, text=True, timeout=900)
+    proc = run_cpu_half(checkpoint)
     if proc.returncode != 0:
         return {"status": "failed", "reason": f"the CPU half: exit {proc.returncode}: {proc.stderr[-1500:]}"}
     cpu = json.loads(proc.stdout.strip().splitlines()[-1])
     dp = record("pytorch_fp32_gpu_vs_cpu_max_abs_dp", _max_dp(gpu_fp32, cpu["probabilities"]))
     kernels = {"gpu": gpu_kernels, "cpu": cpu["linear_kernels"]}
-    # the reference code on both sides: the same fp32 math (bar 1e-5); another kernel on the GPU (fla's
-    # Triton, whose fp32 dot products may run in TF32) is another computation: FAST_FP32_BAR
-    bar = 1e-5 if kernels["gpu"] == kernels["cpu"] else FAST_FP32_BAR
+    # the reference code on both sides: the same fp32 math (NVFP4_FP32_MAX_DP); another kernel on the GPU
+    # (fla's Triton, whose fp32 dot products may run in TF32) is another computation: NVFP4_FLA_FP32_MAX_DP
+    bar = NVFP4_FP32_MAX_DP if kernels["gpu"] == kernels["cpu"] else NVFP4_FLA_FP32_MAX_DP
     bf16 = record("pytorch_bf16_vs_reference_bf16", _bf16_vs_reference(release, checkpoint, dry))
-    ok = dp <= bar and bf16["max_abs_dp"] <= BF16_BAR
+    ok = dp <= bar and bf16["max_abs_dp"] <= NVFP4_BF16_MAX_DP
     return {"status": "passed" if ok else "failed", "preset": preset, "tokens": first, "total_ms": times,
-            "max_abs_dp_vs_pytorch": vs_backend, "gguf_target": GGUF_BAR,
-            "gguf_within_target": vs_backend["nvfp4-gguf"] <= GGUF_BAR,
+            "max_abs_dp_vs_pytorch": vs_backend, "gguf_target": NVFP4_GGUF_TARGET_DP,
+            "gguf_within_target": vs_backend["nvfp4-gguf"] <= NVFP4_GGUF_TARGET_DP,
             "pytorch_fp32_gpu_vs_cpu_max_abs_dp": dp, "fp32_bar": bar, "linear_kernels": kernels,
             "pytorch_bf16_vs_reference_bf16": bf16, "pytorch_decisions_per_s": _packing(checkpoint, dry)}
 
@@ -141,7 +144,3 @@ def _packing(checkpoint: Path, dry: bool) -> dict[str, Any]:
                 return {"error": f"{name}: {answers[0]}"[:500], **rates}
             rates[name] = record(f"pytorch_decisions_per_s/{name}", round(count / seconds, 2))
     return rates
-
-
-if __name__ == "__main__":
-    sys.exit(cpu_half(sys.argv[1:]))

@@ -1,14 +1,13 @@
-"""The rows of the GPU check (``scripts/gpu_check.py`` runs each in a process group of its own, in this order).
+"""The GPU check's common rows, each ``fn(work, dry) -> dict`` (``rows`` puts them in priority order).
 
-Each row is ``fn(work, dry) -> dict`` with a ``status`` ("passed", "failed" or "measured": a number with
-no pass mark) and its data; every measurement is also ``record``-ed the moment it is taken (one JSON line
-on stdout), so a row the deadline cuts off keeps what it measured. ``dry`` runs the same code on the CPU
-at the tiny shapes (the test suite's ``gpu-check.sh --dry-run``), so a GPU run is never spent on a typo.
-Models are written once per run in ``work`` directly in their type (``convert.synthetic.tiled``: the 9B
-Q4_K_M in ~20 s) and shared by the rows that need them. Targets are reported, not asserted: the head
-under 2 ms and the tower within 25 ms at 466 tokens, 60 decisions/s at 64 clients, pick within 25%.
-Each row declares its cost: planned seconds on a 16-core GPU host, model writing included (estimates
-until a GPU run replaces them; docs/gpu.md).
+A row returns a ``status`` ("passed", "failed" or "measured": a number with no pass mark) and its data;
+every measurement is also ``record``-ed the moment it is taken (one JSON line on stdout), so a row the
+deadline cuts off keeps what it measured. ``dry`` runs the same code on the CPU at the tiny shapes (the
+test suite's ``gpu-check.sh --dry-run``), so a GPU run is never spent on a typo. Models are written once
+per run in ``work`` directly in their type (``convert.synthetic.tiled``: the 9B Q4_K_M in ~20 s) and
+shared by the rows that need them (``nvfp4`` uses the helpers here too). Every bar and target is
+``clef_gguf.core.limits``': the targets (``GPU_TARGETS``: the head under 2 ms and the tower within 25 ms
+at 466 tokens, 60 decisions/s at 64 clients, pick within 25%) are reported, not asserted.
 """
 
 from __future__ import annotations
@@ -18,26 +17,18 @@ import os
 import statistics
 import subprocess
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
+from clef_gguf.core.limits import GPU_MAX_DP, GPU_PARITY_FAIL, GPU_PARITY_GOAL, GPU_TARGETS
+from gpu_check.report import record
+
 DRY_TOKENS = (64, 160)  # the dry run's: the tiny model's code paths, in seconds
 REPEAT = 5
-PARITY_GOAL = 1e-5  # GPU vs CPU: the goal, reported
-PARITY_FAIL = 1e-3  # GPU vs CPU: a failure past this (or an argmax that changes)
 SERVE_CLIENTS = 64
 SERVE_TOKENS = 500
-TARGETS = {"head_ms": 2.0, "tower_ms_466": 25.0, "decisions_per_s_64": 60.0, "pick_ratio": (0.75, 1.25)}
-MEASURE = "measure"  # the key of a measurement line on a row's stdout
-
-
-def record(key: str, value: Any) -> Any:
-    """One measurement, out at once (the orchestrator writes it into the report); returns ``value``."""
-    print(json.dumps({MEASURE: key, "value": value}), flush=True)
-    return value
 
 
 def placement(dry: bool) -> dict[str, Any]:
@@ -66,7 +57,8 @@ def tiny_model(work: Path) -> Path:
 
 
 def tokens(dry: bool) -> tuple[int, ...]:
-    """The prompt lengths measured: tune's (the targets' 466 and 1,986), or the dry run's."""
+    """The prompt lengths measured: ``clef-gguf tune``'s default ``--lengths`` (its public
+    ``DEFAULT_LENGTHS``: the targets' 466 and 1,986), or the dry run's."""
     from clef_gguf.tools.tune import DEFAULT_LENGTHS
 
     return DRY_TOKENS if dry else DEFAULT_LENGTHS
@@ -159,8 +151,8 @@ def _compare(a: list[np.ndarray], b: list[np.ndarray]) -> dict[str, Any]:
 def parity(work: Path, dry: bool) -> dict:
     """The tiny f32 model, GPU vs CPU: the tower on the GPU with the head on the GPU, and with the head
     on the CPU, against both on the CPU; and on the GPU the sample prompts packed in one decode against
-    one at a time. The goal (``PARITY_GOAL``) is reported; a failure is past ``PARITY_FAIL`` or an
-    argmax that changes."""
+    one at a time. The goal (``limits.GPU_PARITY_GOAL``) is reported; a failure is past
+    ``limits.GPU_PARITY_FAIL`` or an argmax that changes."""
     from clef_gguf import Clef
     from clef_gguf.convert.samples import SAMPLE_REQUESTS
 
@@ -182,9 +174,9 @@ def parity(work: Path, dry: bool) -> dict:
     out = {name: record(name, _compare(probs[name], probs["cpu"])) for name in ("head_on_gpu", "head_on_cpu")}
     out["packed_vs_one"] = record("packed_vs_one", packed_cmp)
     worst = max(v["max_abs_dp"] for v in out.values())
-    ok = worst <= PARITY_FAIL and all(v["argmax_agrees"] for v in out.values())
-    return {"status": "passed" if ok else "failed", **out, "max_abs_dp": worst, "goal": PARITY_GOAL,
-            "within_goal": worst <= PARITY_GOAL, "fails_past": PARITY_FAIL, "placed": placed}
+    ok = worst <= GPU_PARITY_FAIL and all(v["argmax_agrees"] for v in out.values())
+    return {"status": "passed" if ok else "failed", **out, "max_abs_dp": worst, "goal": GPU_PARITY_GOAL,
+            "within_goal": worst <= GPU_PARITY_GOAL, "fails_past": GPU_PARITY_FAIL, "placed": placed}
 
 
 def latency_by_length(model: Path, dry: bool, lengths: tuple[int, ...] | None = None, key: str = "",
@@ -215,7 +207,7 @@ def latency(work: Path, dry: bool) -> dict:
     record("model_write_s", round(time.perf_counter() - t0, 1))
     data = latency_by_length(model, dry)
     first = data[str(tokens(dry)[0])]
-    return {"status": "measured", "by_tokens": data, "targets": TARGETS,
+    return {"status": "measured", "by_tokens": data, "targets": GPU_TARGETS,
             "head_ms_466": first["head_ms"]["median"], "tower_ms_466": first["tower_ms"]["median"]}
 
 
@@ -226,7 +218,6 @@ def throughput(work: Path, dry: bool) -> dict:
     on a GPU (byte-identical on the CPU: bench-server decides from the server's placement)."""
     from clef_gguf import Clef
     from clef_gguf.core.children import module_command
-    from clef_gguf.core.limits import GPU_MAX_DP
     from clef_gguf.tools.bench import sized_request
 
     model = big_model(work, dry)
@@ -250,7 +241,7 @@ def throughput(work: Path, dry: bool) -> dict:
     served = json.loads(proc.stdout) if proc.returncode == 0 else {"error": proc.stderr[-500:]}
     record("serve", served)
     return {"status": "measured" if proc.returncode == 0 else "failed", "decide_many_per_s": packs,
-            "serve": served, "tolerance": 0.0 if dry else GPU_MAX_DP, "targets": TARGETS}
+            "serve": served, "tolerance": 0.0 if dry else GPU_MAX_DP, "targets": GPU_TARGETS}
 
 
 def pick(work: Path, dry: bool) -> dict:
@@ -278,17 +269,10 @@ def pick(work: Path, dry: bool) -> dict:
     row = table.quants["Q4_K_M"]
     ratio = round(row.seconds / statistics.median(measured), 3) if row.seconds else None
     record("predicted_s", row.seconds)
-    lo, hi = TARGETS["pick_ratio"]
+    lo, hi = GPU_TARGETS["pick_ratio"]
     return {"status": "measured" if ratio else "failed", "measured_s": _spread(measured), "predicted_s": row.seconds,
             "ratio": ratio, "within_25pct": ratio is not None and lo <= ratio <= hi, "probe_s": table.took_seconds,
             "error": row.error}
-
-
-def nvfp4(work: Path, dry: bool) -> dict:
-    """The NVFP4 rows (``gpu_rows_nvfp4``): the NVFP4 GGUF vs the PyTorch backend vs Q4_K_M."""
-    import gpu_rows_nvfp4
-
-    return gpu_rows_nvfp4.nvfp4(work, dry)
 
 
 def kernels(work: Path, dry: bool) -> dict:
@@ -306,26 +290,3 @@ def kernels(work: Path, dry: bool) -> dict:
     if proc.returncode != 0:
         return {"status": "failed", "reason": f"tune exit {proc.returncode}: {proc.stderr.strip()[-1500:]}"}
     return {"status": "measured", "tune": record("tune", json.loads(proc.stdout))}
-
-
-@dataclass(frozen=True)
-class Row:
-    """A row: its function, its planned seconds on a 16-core GPU host (models written in the run
-    included), and whether it runs after the deadline of the others, on a budget of its own."""
-
-    name: str
-    fn: Callable[[Path, bool], dict]
-    cost_s: float
-    after_deadline: bool = False
-
-
-ROWS: tuple[Row, ...] = (  # in priority order
-    Row("preflight", preflight, 15),
-    Row("parity", parity, 30),
-    Row("latency", latency, 75),  # the 9B Q4_K_M written (~20 s), loaded, 2 lengths x 6 decisions
-    Row("throughput", throughput, 120),
-    Row("pick", pick, 60),
-    Row("nvfp4", nvfp4, 150),
-    Row("kernels", kernels, 180, after_deadline=True),
-)
-

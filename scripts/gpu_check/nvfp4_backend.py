@@ -1,19 +1,20 @@
 """The nvfp4 backend on a CUDA machine: which kernel runs, GPU vs CPU agreement, and latency.
 
-Run by scripts/gpu-check.sh after the nvfp4 tests. For the tiny and a Qwen3.5-0.8B-shaped random
-release, each quantized to NVFP4A16 and NVFP4 (W4A4) with our converter: the median latency of
-one decision on the GPU (alternating the two schemes, 7 rounds), and for the tiny model max |dp|
-between the GPU and the CPU, like for like: both in fp32 (``nvfp4_dtype="fp32"``; bf16 activations
-round to other FP4 codes, a different computation, not a wrong kernel). It also records whether
-torch's FP4 GEMM is refused on this GPU (expected before Blackwell). Prints one JSON report; exit 1
-when CUDA is absent or the GPU and CPU disagree past ``BARS`` (NVFP4A16 1e-5; W4A4 5e-3: its
-activations' FP4 rounding flips where fp32 sums differ in their last bits, 1.2e-3 on an H200).
+    python scripts/gpu_check nvfp4-backend
+
+The nvfp4 backend's own check, apart from the GPU check's rows (tests/test_scripts.py runs it). For the
+tiny and a Qwen3.5-0.8B-shaped random release, each quantized to NVFP4A16 and NVFP4 (W4A4) with our
+converter: the median latency of one decision on the GPU (alternating the two schemes, 7 rounds), and
+for the tiny model max |dp| between the GPU and the CPU, like for like: both in fp32
+(``nvfp4_dtype="fp32"``; bf16 activations round to other FP4 codes, a different computation, not a wrong
+kernel). It also records whether torch's FP4 GEMM is refused on this GPU (expected before Blackwell).
+Prints one JSON report; exit 1 when CUDA is absent or the GPU and CPU disagree past the scheme's bar
+(:func:`bar`: NVFP4A16 ``limits.NVFP4_FP32_MAX_DP``; W4A4 ``limits.NVFP4_W4A4_FP32_MAX_DP``: its
+activations' FP4 rounding flips where fp32 sums differ in their last bits).
 """
 
 import json
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,9 +27,10 @@ from clef_gguf.convert.nvfp4 import quantize_release
 from clef_gguf.convert.synthetic.tiny import build_release
 from clef_gguf.tower.nvfp4 import kernels
 from clef_gguf.convert.samples import SAMPLE_REQUESTS
+from clef_gguf.core.limits import NVFP4_FP32_MAX_DP, NVFP4_W4A4_FP32_MAX_DP
+from gpu_check.nvfp4 import run_cpu_half
 
 ROUNDS = 7
-BARS = {"nvfp4a16": 1e-5, "nvfp4": 5e-3}
 REQUEST = {**SAMPLE_REQUESTS[2]}  # ~400 tokens
 
 
@@ -44,11 +46,16 @@ def scaled_mm_probe() -> str:
         return f"refused: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
 
 
+def bar(scheme: str) -> float:
+    """The largest fp32 |dp| between the GPU and the CPU for ``scheme`` (``core.limits``)."""
+    return NVFP4_W4A4_FP32_MAX_DP if scheme == "nvfp4" else NVFP4_FP32_MAX_DP
+
+
 def cpu_probabilities(model_dir: Path) -> list[list[float]]:
-    """fp32 on the CPU in a process of its own (``gpu_rows_nvfp4.py``'s CPU half): transformers binds
+    """fp32 on the CPU in a process of its own (the nvfp4 row's CPU half): transformers binds
     flash-linear-attention's Triton kernels at its first import, and they take no CPU tensors."""
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("gpu_rows_nvfp4.py")), str(model_dir)],
-                          capture_output=True, text=True, check=True, timeout=900)
+    proc = run_cpu_half(model_dir)
+    proc.check_returncode()
     return json.loads(proc.stdout.strip().splitlines()[-1])["probabilities"]
 
 
@@ -86,14 +93,10 @@ def main() -> int:
                     on_cpu = cpu_probabilities(d)
                     worst[scheme] = max(float(np.abs(a - np.asarray(b)).max()) for a, b in zip(on_gpu, on_cpu))
                 report["tiny_fp32_gpu_vs_cpu_max_abs_dp"] = worst
-                ok = ok and all(worst[s] <= BARS[s] for s in worst)
+                ok = ok and all(worst[s] <= bar(s) for s in worst)
             times = {s: latency(d) for s, d in dirs.items()}
             report["latency_ms"][preset] = {
                 s: {"median": round(statistics.median(t), 2), "min": round(min(t), 2), "max": round(max(t), 2)}
                 for s, t in times.items()}
     print(json.dumps(report, indent=2))
     return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
