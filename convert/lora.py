@@ -37,7 +37,7 @@ from clef_gguf.core import errors
 from clef_gguf.core.errors import AdapterMismatch, ConversionError, CorruptModel, ModelNotFound
 from clef_gguf.formats.finetune_files import ADAPTER_FORMAT, ADAPTER_MANIFEST, adapter_file_name
 from clef_gguf.heads.load import load_head
-from clef_gguf.formats.gguf import TOWER_ARCH, open_gguf
+from clef_gguf.formats.gguf import TOWER_ARCH, array_length, open_gguf
 from clef_gguf.formats.safetensors import opened, read_header
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -178,7 +178,7 @@ def read_base(base: Path) -> Base:
                        what=f"{found.tower} lacks the qwen35 settings an adapter needs"):
         state = int(k("ssm.state_size"))
         dims = tm.Dims(hidden=int(k("embedding_length")), ffn=int(k("feed_forward_length")),
-                       vocab=len(reader.fields["tokenizer.ggml.tokens"].data),
+                       vocab=int(array_length(reader, "tokenizer.ggml.tokens")),  # type: ignore[arg-type]
                        heads=int(k("attention.head_count")), kv_heads=int(k("attention.head_count_kv")),
                        head_dim=int(k("attention.key_length")), lin_k_heads=int(k("ssm.group_count")),
                        lin_v_heads=int(k("ssm.time_step_rank")), lin_k_dim=state, lin_v_dim=state,

@@ -29,18 +29,20 @@ from safetensors.torch import save_file
 
 from clef_gguf.convert.release import PROCESSOR_FILES
 from clef_gguf.core import errors
+from clef_gguf.core.deps import need
+from clef_gguf.core.limits import GB
 from clef_gguf.formats import files
 from clef_gguf.formats.safetensors import Tensors
 from clef_gguf.convert.hf_to_gguf import SUPPORTED, load_config, open_weights, read_json, scan_checkpoint
 from clef_gguf.tower.nvfp4 import format as fmt
-from clef_gguf.tower.nvfp4.checkpoint import FORMAT
+from clef_gguf.tower.nvfp4.checkpoint import COMPRESSION
 
 SCHEMES = ("nvfp4a16", "nvfp4")
 # Our scheme name -> compressed-tensors' preset (its args are what llm-compressor writes).
 PRESETS = {"nvfp4a16": "NVFP4A16", "nvfp4": "NVFP4"}
 ACTIVATIONS = {"nvfp4a16": False, "nvfp4": True}
 TOKENIZER_CONFIG = "tokenizer_config.json"
-MAX_SHARD_BYTES = 5 * 10**9  # one shard is what the writer holds in memory at a time
+MAX_SHARD_BYTES = 5 * GB  # one shard is what the writer holds in memory at a time
 # The quantized Linear layers of one decoder layer, grouped as they are fused at run time.
 FUSED_GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
                 ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",),
@@ -64,10 +66,6 @@ class Target:
     shape: tuple[int, int]
     weight_global_scale: torch.Tensor | None = None  # fp32 [1], shared over the group
     input_global_scale: torch.Tensor | None = None  # fp32 [1], W4A4 only, shared over the group
-
-
-def _missing(what: str, install: str) -> errors.MissingDependency:
-    return errors.MissingDependency(f"{what}: pip install {install}")
 
 
 def _target_pattern(prefix: str) -> re.Pattern[str]:
@@ -139,10 +137,7 @@ def calibrate(src: Path, arch: str, modules: list[str], requests: list[dict]) ->
     from clef_gguf.pipeline.encode import Encoder
     from clef_gguf.pipeline.request import parse_request
 
-    try:
-        import transformers
-    except ImportError:
-        raise _missing("W4A4 calibration runs the release through transformers", "'clef-gguf[nvfp4]'") from None
+    transformers = need("transformers", "nvfp4", what="W4A4 calibration runs the release through transformers")
     if not requests:
         raise errors.ConversionError("W4A4 calibration needs at least one request", field="calibration")
     encoder = Encoder.from_file(src / files.TOKENIZER)
@@ -186,15 +181,13 @@ def calibrate(src: Path, arch: str, modules: list[str], requests: list[dict]) ->
 def quantization_config(scheme: str) -> dict:
     """config.json's ``quantization_config``, built and dumped by compressed-tensors' own models
     the way its ModelCompressor writes it."""
-    try:
-        import compressed_tensors
-        from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
-        from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
-    except ImportError:
-        raise _missing("writing an NVFP4 checkpoint needs compressed-tensors", "'clef-gguf[nvfp4]'") from None
-    group = QuantizationScheme(targets=["Linear"], **PRESET_SCHEMES[PRESETS[scheme]])
-    config = QuantizationConfig(config_groups={"group_0": group}, format=FORMAT,
-                                quantization_status="compressed", ignore=list(IGNORE))
+    why = "writing an NVFP4 checkpoint needs compressed-tensors"
+    compressed_tensors = need("compressed_tensors", "nvfp4", what=why)
+    quantization = need("compressed_tensors.quantization", "nvfp4", what=why)
+    presets = need("compressed_tensors.quantization.quant_scheme", "nvfp4", what=why).PRESET_SCHEMES
+    group = quantization.QuantizationScheme(targets=["Linear"], **presets[PRESETS[scheme]])
+    config = quantization.QuantizationConfig(config_groups={"group_0": group}, format=COMPRESSION,
+                                             quantization_status="compressed", ignore=list(IGNORE))
     return {"version": compressed_tensors.__version__, "quant_method": "compressed-tensors",
             "sparsity_config": {}, "transform_config": {},
             **config.model_dump(mode="json", exclude={"quant_method"})}

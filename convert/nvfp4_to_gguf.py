@@ -47,7 +47,7 @@ from clef_gguf.core.errors import ConversionError, ModelNotFound
 from clef_gguf.formats import files
 from clef_gguf.formats.gguf import TOWER_ARCH
 from clef_gguf.tower.nvfp4 import format as fmt
-from clef_gguf.tower.nvfp4.checkpoint import FORMAT
+from clef_gguf.tower.nvfp4.checkpoint import COMPRESSION
 
 OUTTYPE = "nvfp4-gguf"  # what `convert --outtype` calls it, and the tower file's name
 NVFP4 = gguf.GGMLQuantizationType.NVFP4
@@ -78,9 +78,9 @@ def read_scheme(config: dict, path: Path) -> Scheme:
     where = f"{path}: quantization_config"
     if not isinstance(q, dict):
         raise ConversionError(f"{path} has no quantization_config: not an NVFP4 checkpoint", field="src")
-    if q.get("quant_method", "compressed-tensors") != "compressed-tensors" or q.get("format") != FORMAT:
+    if q.get("quant_method", "compressed-tensors") != "compressed-tensors" or q.get("format") != COMPRESSION:
         raise ConversionError(f"{where}.format is {q.get('format')!r} ({q.get('quant_method')!r}): only "
-                              f"compressed-tensors {FORMAT!r} checkpoints re-encode to NVFP4 GGUF", field="src")
+                              f"compressed-tensors {COMPRESSION!r} checkpoints re-encode to NVFP4 GGUF", field="src")
     groups = q.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         raise ConversionError(f"{where}.config_groups is missing or empty", field="src")
@@ -109,7 +109,7 @@ def is_checkpoint(src: Path) -> bool:
         q = read_json(path).get("quantization_config") if path.is_file() else None
     except ConversionError:
         return False
-    return isinstance(q, dict) and q.get("format") == FORMAT
+    return isinstance(q, dict) and q.get("format") == COMPRESSION
 
 
 # --------------------------------------------------------------------------- the bits
@@ -309,7 +309,7 @@ def convert_checkpoint(src, out, *, name: str | None = None, head_weights: Path 
             if (src / fname).is_file():
                 copy_file(src / fname, stage / fname)
         vision = write_vision(src, stage)
-        source = {"path": str(src.resolve()), "format": f"compressed-tensors {FORMAT}", **summary}
+        source = {"path": str(src.resolve()), "format": f"compressed-tensors {COMPRESSION}", **summary}
         files.write_manifest(stage, name, OUTTYPE,
                              {"tower": tower, "head_weights": files.HEAD_WEIGHTS,
                               "head_config": files.HEAD_CONFIG, "tokenizer": files.TOKENIZER},

@@ -186,7 +186,7 @@ def _open(src: Path) -> gguf.GGUFReader:
     if not src.is_file():
         raise ModelNotFound(f"native GGUF not found: {src}", field="src")
     try:
-        reader = open_gguf(src)
+        reader = open_gguf(src, whole_arrays=True)  # the vocabulary is copied and rebuilt from it
     except CorruptModel as exc:  # the same reader as the runtime's; here it is a conversion input
         raise ConversionError(exc.message) from None
     arch = field_value(reader, "general.architecture")

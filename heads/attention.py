@@ -1,4 +1,4 @@
-"""The joint schema head's own attention to the prompt, read while it decides (evidence, issue 45).
+"""The joint schema head's own attention to the prompt, read while it decides (a response's evidence).
 
 Two kinds of layer read the prompt: the evidence-routing layers (every option query attends to every
 prompt token) and the deciding layers' cross-attention (every field attends to every prompt token).

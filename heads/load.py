@@ -107,27 +107,30 @@ def load_head(
     with torch.device("meta"):
         head = JointSchemaHead(**sizes)
     expected = {name: tuple(tensor.shape) for name, tensor in head.state_dict().items()}
-    tensors = _read_weights(Path(weights_path), expected)
+    tensors = _read_weights(Path(weights_path), expected, dtype)
     head.load_state_dict(tensors, strict=True, assign=True)
-    head.to(dtype=dtype)
     head.requires_grad_(False)
     return head.eval()
 
 
-def _read_weights(path: Path, expected: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
-    """The file's tensors, after checking names, shapes, dtypes and finiteness against ``expected``."""
+def _read_weights(path: Path, expected: dict[str, tuple[int, ...]], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The file's tensors in ``dtype``, after checking names, shapes, dtypes and finiteness against
+    ``expected``. Each is cast as it is read, so the file's bf16 copy of one tensor at a time is all the
+    load holds beside the result (a Flash head: 0.45 GiB in fp32, not 0.68 with every bf16 copy too)."""
     with opened(path, field="head_weights", kind="head weights") as weights:
         shapes = {name: info.shape for name, info in weights.header().items()}
         problems = _layout_problems(shapes, expected)
         if problems:
             raise HeadMismatch(f"{path.name} does not fit the head config: {problems}", field="head_weights")
-        tensors = {name: weights.tensor(name, check_finite=True) for name in expected}
-    for name, tensor in tensors.items():
-        if tensor.dtype not in WEIGHT_DTYPES:
-            raise HeadMismatch(
-                f"{path.name}: tensor {name} has dtype {tensor.dtype}, expected bf16, f16, f32 or f64",
-                field="head_weights",
-            )
+        tensors = {}
+        for name in expected:
+            tensor = weights.tensor(name, check_finite=True)
+            if tensor.dtype not in WEIGHT_DTYPES:
+                raise HeadMismatch(
+                    f"{path.name}: tensor {name} has dtype {tensor.dtype}, expected bf16, f16, f32 or f64",
+                    field="head_weights",
+                )
+            tensors[name] = tensor.to(dtype)
     return tensors
 
 

@@ -23,6 +23,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from clef_gguf.core.errors import ModelNotFound
+from clef_gguf.core.limits import GB
 
 CATALOG_FORMAT = "clef-gguf-catalog/1"
 CATALOG_PATH = Path(__file__).with_name("catalog.json")
@@ -49,7 +50,7 @@ class FileEntry:
         if self.size is not None:
             return self.size, "exact"
         if self.size_gb is not None:
-            return int(round(self.size_gb * 1e9)), "card"
+            return int(round(self.size_gb * GB)), "card"
         return None
 
 
@@ -74,7 +75,7 @@ class Checkpoint:
         """(bytes, basis) of the download, or None if no figure is known."""
         if self.size_gb is None:
             return None
-        return int(round(self.size_gb * 1e9)), self.size_basis or "card"
+        return int(round(self.size_gb * GB)), self.size_basis or "card"
 
 
 @dataclass(frozen=True)
@@ -142,14 +143,16 @@ class Architecture:
 
 @dataclass(frozen=True)
 class MemoryModel:
-    """Bytes the runtime needs besides the tower file (see catalog.json for where each comes from)."""
+    """Bytes a decision takes besides the tower file, part by part (catalog.json says where each comes
+    from: measured at the family's shape by benchmarks/memory.py, or derived from its dimensions)."""
 
-    kv_bytes_per_token: int
+    kv_bytes_per_token: int  # llama.cpp's KV cache, allocated for the whole context at load
     recurrent_bytes_per_sequence: int
-    head_bytes: int
-    lexical_rows_bytes: int
-    compute_bytes: int
-    runtime_bytes: int
+    head_bytes: int  # the joint head's weights as they run (fp32: twice the bf16 file)
+    compute_bytes: int  # llama.cpp's compute and output buffers at its 512-token ubatch
+    runtime_bytes: int  # Python, torch, both tokenizers, the lexical rows, allocator slack
+    activation_bytes_per_token: int  # per prompt token: hidden states and the head's activations
+    vision_bytes: int = 0  # the vision tower's weights and a picture's activations, once a request has one
 
 
 @dataclass(frozen=True)

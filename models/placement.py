@@ -5,10 +5,14 @@ catalog it always answers the same, which is what lets the tests pin the policy 
 (8 GB laptop, Raspberry Pi, 24 GB GPU box, ...). ``gpu_layers`` applies the same rule to a loaded
 tower, and ``free_bytes`` is the one answer to "how much memory may this model use".
 
-Memory model for one decision context (all figures from the catalog's family entry):
-  tower file (mmapped, and it must stay resident or every decision pages it back in from disk)
-  + KV cache (f16, per token of context) + recurrent state (per sequence)
-  + head (bf16) + dequantized lexical rows + llama.cpp compute buffer + Python/torch runtime,
+Memory model for one decision context (all figures from the catalog's family entry, measured at the
+family's shape by benchmarks/memory.py where the entry says so):
+  tower file (llama.cpp reads all of it into memory at load; what stays is its repacked copies and the
+  pages the CPU reads, less, but the load's peak holds the whole file)
+  + head (as it runs, fp32) + runtime (Python, torch, both tokenizers, lexical rows)
+  + KV cache (per token of context, allocated at load) + recurrent state (per sequence)
+  + llama.cpp's compute buffers + activations (per token of context: hidden states, the head's)
+  [+ the vision tower, for requests with pictures],
 against min(available RAM - headroom, total RAM - a reserve for the OS). On a GPU with enough VRAM the tower,
 KV, recurrent state and compute buffer go to VRAM instead and the host keeps the rest.
 
@@ -25,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from clef_gguf.core.errors import NoQuantFits
-from clef_gguf.core.limits import CONTEXT_WINDOW, GiB, MiB
+from clef_gguf.core.limits import CONTEXT_WINDOW, GB, GiB, MiB
 from clef_gguf.models.catalog import GGUF_SUFFIX, Catalog, Family, load_catalog
 from clef_gguf.models.machine import GPU, DeviceProfile, native_fp4
 
@@ -150,25 +154,42 @@ def gib(n: int) -> str:
 
 @dataclass(frozen=True)
 class _Need:
-    """What a family's model needs besides its tower, by where it lives."""
+    """What a family's model needs besides its tower, part by part and by where it lives."""
 
     kv: int
     recurrent: int
+    activations: int
+    vision: int
     device_side: int  # moves to VRAM with the tower: KV cache, recurrent state, compute
-    host_side: int  # stays on the host: head, lexical rows, runtime
+    host_side: int  # stays on the host: head, runtime, activations, the vision tower
 
 
-def _need(family: Family, context_tokens: int, sequences: int) -> _Need:
+def _need(family: Family, context_tokens: int, sequences: int, pictures: bool = False) -> _Need:
     mem = family.memory
     kv = mem.kv_bytes_per_token * context_tokens
     rec = mem.recurrent_bytes_per_sequence * sequences
-    return _Need(kv, rec, kv + rec + mem.compute_bytes, mem.head_bytes + mem.lexical_rows_bytes + mem.runtime_bytes)
+    act = mem.activation_bytes_per_token * context_tokens
+    vision = mem.vision_bytes if pictures else 0
+    return _Need(kv, rec, act, vision, kv + rec + mem.compute_bytes,
+                 mem.head_bytes + mem.runtime_bytes + act + vision)
+
+
+def parts(family: Family, need: _Need, tower: int, placement: str = "cpu") -> str:
+    """What a need is made of, in words (``pick``'s reason): each part and its size."""
+    mem = family.memory
+    out = (f"tower {gib(tower)} + KV {gib(need.kv)} + recurrent {gib(need.recurrent)} + compute "
+           f"{gib(mem.compute_bytes)}")
+    if placement != "gpu":
+        out += (f" + head {gib(mem.head_bytes)} + runtime {gib(mem.runtime_bytes)} + activations "
+                f"{gib(need.activations)}" + (f" + vision tower {gib(need.vision)}" if need.vision else ""))
+    return out
 
 
 def recommend(profile: DeviceProfile, family: Family | str = "clef-flash", *,
-              context_tokens: int = DEFAULT_CONTEXT, sequences: int = 1,
+              context_tokens: int = DEFAULT_CONTEXT, sequences: int = 1, pictures: bool = False,
               catalog: Catalog | None = None) -> Recommendation:
     """The highest-quality quant of ``family`` that fits ``profile``, with the reason and the candidates.
+    ``pictures``: decisions carry pictures (the vision tower is loaded with the first).
 
     Pure: reads nothing but its arguments (and the packaged catalog when ``family`` is a name).
     """
@@ -176,10 +197,10 @@ def recommend(profile: DeviceProfile, family: Family | str = "clef-flash", *,
         family = (catalog or load_catalog()).family(family)
     if context_tokens < 1 or sequences < 1:
         raise ValueError("context_tokens and sequences must be positive")
-    mem, need = family.memory, _need(family, context_tokens, sequences)
+    mem, need = family.memory, _need(family, context_tokens, sequences, pictures)
     breakdown = {"kv_cache": need.kv, "recurrent_state": need.recurrent, "head": mem.head_bytes,
-                 "lexical_rows": mem.lexical_rows_bytes, "compute": mem.compute_bytes,
-                 "runtime": mem.runtime_bytes, "os_reserve": os_reserve(profile.total_ram),
+                 "compute": mem.compute_bytes, "runtime": mem.runtime_bytes, "activations": need.activations,
+                 "vision_tower": need.vision, "os_reserve": os_reserve(profile.total_ram),
                  "free_headroom": free_headroom(profile.total_ram)}
     host = host_budget(profile)
     gpu, gpu_budget = _gpu_budget(profile)
@@ -229,11 +250,12 @@ def _nothing_fits(profile: DeviceProfile, family: Family, candidates: list[Candi
     host = host_budget(profile)
     smallest = min(candidates, key=lambda c: c.need_bytes)
     small_ctx = 2048
-    at_small = smallest.need_bytes - need.kv + family.memory.kv_bytes_per_token * small_ctx
+    small = _need(family, small_ctx, 1, pictures=need.vision > 0)
+    at_small = smallest.need_bytes - need.device_side - need.host_side + small.device_side + small.host_side
     hint = (f" With --ctx {small_ctx} it would need {gib(at_small)}."
             if context_tokens > small_ctx and at_small <= host else "")
     return (f"No {family.name} quant fits this machine: the smallest, {smallest.quant} "
-            f"({smallest.size_bytes / 1e9:.2f} GB, {smallest.size_basis} size), needs "
+            f"({smallest.size_bytes / GB:.2f} GB, {smallest.size_basis} size), needs "
             f"{gib(smallest.need_bytes)} at {context_tokens:,} tokens of context but only {gib(host)} of RAM "
             f"is usable ({_kept_free(profile)})"
             + (f" and {gib(gpu_budget)} of VRAM" if gpu_budget else "") + f".{hint}"
@@ -243,19 +265,15 @@ def _nothing_fits(profile: DeviceProfile, family: Family, candidates: list[Candi
 def _fit_reason(profile: DeviceProfile, family: Family, chosen: Candidate, need: _Need, placement: str,
                 gpu: GPU | None, budget: int, needed: int, context_tokens: int) -> str:
     """What ``chosen`` needs, part by part, of the memory where it is placed."""
-    mem = family.memory
     tower = chosen.need_bytes - need.device_side - need.host_side
-    parts = (f"tower {gib(tower)} + KV {gib(need.kv)} + recurrent {gib(need.recurrent)} + compute "
-             f"{gib(mem.compute_bytes)}"
-             + ("" if placement == "gpu" else f" + head {gib(mem.head_bytes)} + lexical rows "
-                f"{gib(mem.lexical_rows_bytes)} + runtime {gib(mem.runtime_bytes)}"))
+    made_of = parts(family, need, tower, placement)
     if placement == "gpu" and gpu is not None:  # a GPU placement has a GPU: gpu_budget > 0
         where = f"{gib(budget)} of VRAM usable on GPU {gpu.index} ({gpu.name})"
     else:
         where = f"{gib(budget)} of RAM usable ({_kept_free(profile)})"
-    return (f"{chosen.quant} from {chosen.source} ({chosen.size_bytes / 1e9:.2f} GB, {chosen.size_basis} size)"
+    return (f"{chosen.quant} from {chosen.source} ({chosen.size_bytes / GB:.2f} GB, {chosen.size_basis} size)"
             f" is the best quant that fits: it needs {gib(needed)} at {context_tokens:,} tokens of context "
-            f"({parts}) of {where}.")
+            f"({made_of}) of {where}.")
 
 
 def _notes(profile: DeviceProfile, family: Family, candidates: list[Candidate], chosen: Candidate,
@@ -308,15 +326,16 @@ def checkpoint_candidates(profile: DeviceProfile, family: Family, *, context_tok
 
     Device memory: the packed FP4 layers and the bf16 embeddings as they are stored, one dense layer at
     a time where it dequantizes (the small-memory mode: the budget assumes no dense copy of the model),
-    plus head, KV, recurrent state and compute; the host keeps the lexical rows and the Python runtime.
+    plus head, KV, recurrent state and compute; the host keeps the runtime and the activations.
     Without a CUDA GPU none is suitable: the PyTorch fallback on the CPU is far slower than a GGUF quant
     of the same size. Each also has its NVFP4 GGUF (``gguf``): the same codes and scales through
     llama.cpp, budgeted as a GGUF quant of its file (packed layers, bf16 embeddings and output matrix)."""
     mem = family.memory
     ctx = f"{context_tokens:,} tokens of context"
     state = mem.kv_bytes_per_token * context_tokens + mem.recurrent_bytes_per_sequence * sequences
+    activations = mem.activation_bytes_per_token * context_tokens
     extras = mem.head_bytes + state + mem.compute_bytes
-    host_side = mem.lexical_rows_bytes + mem.runtime_bytes
+    host_side = mem.runtime_bytes + activations
     host = host_budget(profile)
     # PyTorch uses the GPU whatever llama.cpp's build can do; Apple's unified-memory GPU is not CUDA.
     gpus = () if profile.unified_memory else profile.gpus
@@ -331,7 +350,7 @@ def checkpoint_candidates(profile: DeviceProfile, family: Family, *, context_tok
         file_bytes = ck.quantized_weights_bytes + 2 * ck.bf16_weights_bytes
         tower = int(file_bytes * SIZE_MARGIN["estimate"])
         device_side = state + mem.compute_bytes
-        host_gguf = mem.head_bytes + mem.lexical_rows_bytes + mem.runtime_bytes
+        host_gguf = mem.head_bytes + mem.runtime_bytes + activations
         fits_cpu, fits_gpu = _fits(profile, tower, device_side, host_gguf, gpu_budget)
         common: dict[str, Any] = dict(
             name=name, quant=ck.quant, source=src.alias, repo=src.repo, size_bytes=size, size_basis=basis,

@@ -24,7 +24,9 @@ from clef_gguf.core.errors import CacheNotWritable, InvalidSetting
 from clef_gguf.models import machine
 from clef_gguf.models.hfcache import clef_home, replace_json
 
-FORMAT = "clef-gguf-tuned/2"  # 2: a run under load keeps nothing (1 kept what it measured)
+# The file's version: raised when what an entry means changes, so that entries an older clef-gguf kept
+# (version 1 kept winners measured under load) are ignored rather than applied.
+TUNED_FORMAT = "clef-gguf-tuned/2"
 Value = Union[int, str]
 # The settings tune measures, in the order it measures them (LoadSettings' field names).
 SETTINGS = ("threads", "decode_chunk", "flash_attention", "pack_size", "head_device", "head_dtype")
@@ -81,7 +83,7 @@ def cache_path() -> Path:
 
 def machine_hash(device: str, gpu_names: tuple[str, ...] = ()) -> str:
     """The fingerprint a tuning is valid for: this machine and llama.cpp build (and, on a GPU, its name)."""
-    parts = {"format": FORMAT, **machine.fingerprint(), "device": device,
+    parts = {"format": TUNED_FORMAT, **machine.fingerprint(), "device": device,
              "gpus": list(gpu_names) if device == "gpu" else []}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -101,7 +103,7 @@ def _read() -> dict[str, Any]:
         data = json.loads(cache_path().read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
-    return data.get("entries", {}) if isinstance(data, dict) and data.get("format") == FORMAT else {}
+    return data.get("entries", {}) if isinstance(data, dict) and data.get("format") == TUNED_FORMAT else {}
 
 
 def kept(tower: Path, device: str) -> Tuning | None:
@@ -133,7 +135,7 @@ def store(tuning: Tuning) -> Path:
         with FileLock(str(path) + ".lock", timeout=60):
             entries = _read()
             entries[entry_key(Path(tuning.model), tuning.device)] = tuning.to_dict()
-            replace_json(path, {"format": FORMAT, "entries": entries})
+            replace_json(path, {"format": TUNED_FORMAT, "entries": entries})
     except Timeout:
         raise CacheNotWritable(f"{path} stayed locked by another process for 60 s: nothing was kept",
                                field="HF_HOME") from None

@@ -29,6 +29,7 @@ from typing import IO, Any
 from filelock import FileLock, Timeout
 
 from clef_gguf.core.errors import CorruptModel, ModelLoadError, ModelNotFound
+from clef_gguf.core.limits import MiB
 from clef_gguf.formats.files import (CHECKPOINT_CONFIG, SAFETENSORS_INDEX, VISION_CONFIG, VISION_PREFIXES,
                                      VISION_WEIGHTS, staged_directory)
 from clef_gguf.models.catalog import Source
@@ -36,15 +37,15 @@ from clef_gguf.models.download import download, hub_errors, hub_file
 from clef_gguf.models.hfcache import COMMIT_RE, endpoint, record_verified, token, verify, vision_dir
 
 LIST = "clef-gguf-vision.json"
-LIST_FORMAT = "clef-gguf-vision/1"
+VISION_LIST_FORMAT = "clef-gguf-vision/1"
 SHARDS = "model*.safetensors"
 # The release's image and video processor settings, whatever the release calls them (the Hub's split
 # preprocessor_config.json / video_preprocessor_config.json, or transformers' nested processor_config.json).
 PROCESSOR_FILES = "*processor_config.json"
 # safetensors dtype -> bytes per element: the ones a vision tower is stored in (clef_gguf.vision loads these).
 DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4}
-HEADER_LIMIT = 100_000_000  # far above any real header (the 9B's shards: well under 1 MB)
-CHUNK = 1 << 20
+HEADER_LIMIT = 100 * MiB  # far above any real header (the 9B's shards: well under 1 MB)
+CHUNK = MiB  # bytes per read of a download
 LOCK_TIMEOUT_S = 3600  # a second process pulling the same release waits for the first one's ~1 GB
 
 
@@ -94,7 +95,7 @@ def _checked(out: Path) -> bool | None:
         listed = json.loads((out / LIST).read_bytes())
     except (OSError, ValueError):
         return None
-    files = listed.get("files") if isinstance(listed, dict) and listed.get("format") == LIST_FORMAT else None
+    files = listed.get("files") if isinstance(listed, dict) and listed.get("format") == VISION_LIST_FORMAT else None
     if not isinstance(files, dict):
         return None
     if not listed.get("vision"):
@@ -145,7 +146,7 @@ def _fetch(src: Source, commit: str, out: Path, progress: bool) -> bool:
 def _write_list(out: Path, src: Source, commit: str, *, vision: bool, files: dict[str, Any],
                 source: set[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    listed = {"format": LIST_FORMAT, "repo": src.repo, "commit": commit, "vision": vision,
+    listed = {"format": VISION_LIST_FORMAT, "repo": src.repo, "commit": commit, "vision": vision,
               "shards": sorted(source or ()), "files": files}
     (out / LIST).write_text(json.dumps(listed, indent=1, sort_keys=True) + "\n")
 

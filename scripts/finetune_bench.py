@@ -37,6 +37,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from clef_gguf.core.limits import MiB
+
 SEED = 0
 NAMES = {"a": 1, "b": 2}  # fine-tune name -> seed
 
@@ -102,7 +104,7 @@ def timed(fn: Any) -> float:
 def speed(paths: dict, qtype: str, tokens: int, rounds: int, threads: int) -> dict[str, Any]:
     """Base + adapter against the merged release, both at ``qtype``, alternating A/B."""
     from clef_gguf import Clef
-    from clef_gguf.tools.bench import sized_request
+    from clef_gguf.tools.workload import sized_request
 
     with Clef.load(paths["base"][qtype], adapters=paths["finetunes"]["a"], threads=threads,
                    state_cache_mb=0) as adapted, \
@@ -126,7 +128,7 @@ def switching(paths: dict, qtype: str, tokens: int, rounds: int, threads: int) -
     """One decision through fine-tune a right after one through b (a switch) against one right after
     one through a (none), on distinct prompts of one length; the order flipped every round."""
     from clef_gguf import Clef
-    from clef_gguf.tools.bench import records
+    from clef_gguf.tools.workload import records
 
     tunes = paths["finetunes"]
     with Clef.load(paths["base"][qtype], adapters={"a": tunes["a"], "b": tunes["b"]}, threads=threads,
@@ -174,9 +176,9 @@ def memory(paths: dict, qtype: str, threads: int) -> dict[str, Any]:
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     steps = [b["rss_bytes"] - a["rss_bytes"] for a, b in zip(rows, rows[1:])]
     files = {n: sum(p.stat().st_size for p in paths["finetunes"][n].iterdir() if p.is_file()) for n in NAMES}
-    return {"type": qtype, "rss_mib": [round(r["rss_bytes"] / 2**20, 1) for r in rows],
-            "mib_per_extra_fine_tune": [round(s / 2**20, 1) for s in steps],
-            "fine_tune_dir_mib": {n: round(b / 2**20, 2) for n, b in files.items()}}
+    return {"type": qtype, "rss_mib": [round(r["rss_bytes"] / MiB, 1) for r in rows],
+            "mib_per_extra_fine_tune": [round(s / MiB, 1) for s in steps],
+            "fine_tune_dir_mib": {n: round(b / MiB, 2) for n, b in files.items()}}
 
 
 def probabilities(model: Path, requests: list[dict], threads: int, adapters: Path | None = None) -> list:

@@ -28,7 +28,7 @@ from pathlib import Path
 from clef_gguf import Clef
 from clef_gguf.core.limits import SYSTEM_PREFIX_TOKENS
 from clef_gguf.pick import speed
-from clef_gguf.tools.bench import sized_request
+from clef_gguf.tools.workload import sized_request
 
 
 def decision_seconds(clef: Clef, request: dict, runs: int = 3) -> list[float]:

@@ -16,7 +16,7 @@ PACKAGES = {"clef_gguf": "clef_gguf", "heads": "clef_gguf.heads", "convert": "cl
 # of clef_gguf, or a module at its root (``cli``; ``clef_gguf`` is the root package: the public API).
 # Read it as docs/architecture.md's picture: nothing imports a row below it.
 LOWER = {
-    "core": set(),  # errors, limits, question types, CPUs, argparse types
+    "core": set(),  # errors, limits, question types, CPUs, argparse types, the optional-dependency check
     "formats": {"core"},  # the files: model directory, fine-tune, calibration, GGUF, safetensors
     "heads": {"core", "formats"},  # the PyTorch joint schema head
     "vision": {"core", "formats"},  # the PyTorch vision tower
@@ -35,9 +35,9 @@ LOWER = {
 _BELOW_APPS = set(LOWER)
 LOWER |= {  # the applications, on top
     "bulk": _BELOW_APPS,
-    "server": _BELOW_APPS | {"bulk"},
-    "evaluate": _BELOW_APPS | {"bulk"},
-    "agent": _BELOW_APPS | {"bulk"},  # clef-gguf mcp (bulk: its optional-dependency check)
+    "server": _BELOW_APPS,
+    "evaluate": _BELOW_APPS | {"bulk"},  # bulk: eval's journal of answers (bulk.output) and batch's media flags
+    "agent": _BELOW_APPS,  # clef-gguf mcp
     "pick": _BELOW_APPS,  # pick (the speed probe, the quality judged from an eval's summary), pull, list
     "tools": _BELOW_APPS | {"bulk", "server", "evaluate"},
     "cli": _BELOW_APPS | {"bulk", "server", "evaluate", "agent", "pick", "tools"},
@@ -274,3 +274,99 @@ def test_a_module_over_400_lines_says_why_in_its_docstring():
                    if len(text := path.read_text(encoding="utf-8").splitlines()) > 400
                    and "400 lines" not in (ast.get_docstring(ast.parse("\n".join(text))) or "")]
     assert not unexplained, f"{unexplained}: split the module, or give its docstring a one-line reason"
+
+
+# ---------------------------------------------------------------- one registry per concept
+# The optional-dependency check is core/deps.py's ``need``, below every application.
+
+
+def test_no_module_imports_bulk_for_a_dependency_check():
+    assert "clef_gguf.bulk.deps" not in MODULES, "the dependency check's home is clef_gguf.core.deps"
+    defined = {name for name, path in MODULES.items()
+               for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+               if isinstance(node, ast.FunctionDef) and node.name == "need" and node.col_offset == 0}
+    assert defined == {"clef_gguf.core.deps"}, sorted(defined)
+
+
+# Byte sizes are written with core/limits' units (KiB, MiB, GiB, GB), never as 32 * 1024 * 1024, 2**20,
+# 1 << 20 or 10**9. What such an expression means where it is not a byte size, by file and value:
+NOT_BYTES = {("heads/load.py", 1 << 20): "MAX_SIZE bounds a head's dimensions, a count"}
+# Byte sizes still written out in files other changes hold now: (file, value) -> the unit to use.
+_UNIT_EXPONENTS = {10, 20, 30, 40}
+
+
+def _byte_literal(node: ast.AST) -> int | None:
+    """The value of ``node`` when it spells a byte unit out (``x << 20``, ``2 ** 30``, ``x * 1024``,
+    ``1024 ** 2``, ``10 ** 9``), else None."""
+    if not isinstance(node, ast.BinOp):
+        return None
+    left, right = (n.value if isinstance(n, ast.Constant) and type(n.value) is int else None
+                   for n in (node.left, node.right))
+    spelled = (isinstance(node.op, ast.LShift) and right in _UNIT_EXPONENTS
+               or isinstance(node.op, ast.Pow) and ((left == 2 and right in _UNIT_EXPONENTS) or left == 1024
+                                                    or (left == 10 and right in (6, 9, 12)))
+               or isinstance(node.op, ast.Mult) and 1024 in (left, right))
+    if not spelled:
+        return None
+    try:
+        return int(eval(compile(ast.Expression(node), "<literal>", "eval"), {}))  # constants only, else -1
+    except Exception:
+        return -1
+
+
+def _byte_literals(tree: ast.AST) -> list[tuple[ast.BinOp, int]]:
+    """Every outermost expression of ``tree`` that spells a byte unit out, with its value (-1: not
+    constant): ``32 * 1024 * 1024`` once, not also its ``32 * 1024``."""
+    out: list[tuple[ast.BinOp, int]] = []
+
+    def visit(node: ast.AST) -> None:
+        value = _byte_literal(node)
+        if value is not None:
+            assert isinstance(node, ast.BinOp)
+            out.append((node, value))
+            return
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return out
+
+
+def test_byte_sizes_are_written_with_the_limits_units():
+    found = []
+    for path in MODULES.values():
+        rel = path.relative_to(ROOT).as_posix()
+        if rel == "clef_gguf/core/limits.py":
+            continue
+        for node, value in _byte_literals(ast.parse(path.read_text(encoding="utf-8"))):
+            if (rel, value) not in NOT_BYTES:
+                found.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, f"write these with clef_gguf.core.limits' KiB/MiB/GiB/GB: {found}"
+
+
+def test_the_byte_scan_sees_every_spelling():
+    for text in ("32 * 1024 * 1024", "2 ** 20", "1 << 30", "n << 20", "1024 ** 2", "5 * 10 ** 9", "x * 1024"):
+        assert len(_byte_literals(ast.parse(text))) == 1, text
+    for text in ("1 << 16", "2 ** 63", "n * 1000", "x ** 2", "64 * MiB"):
+        assert not _byte_literals(ast.parse(text)), text
+
+
+# ``*_FORMAT`` names a version tag clef-gguf writes into a file of its own (``"format": "clef-gguf-eval/1"``)
+# and nothing else: compressed-tensors' format of an NVFP4 checkpoint is ``COMPRESSION``, Pillow's image
+# types ``DECODED_IMAGE_TYPES``. The values never change for a rename: files on users' disks still read.
+FILE_FORMAT = re.compile(r"clef-gguf[\w-]*/\d+")
+
+
+def test_format_constants_have_one_meaning():
+    wrong = []
+    for name, path in MODULES.items():
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] \
+                if isinstance(node, ast.AnnAssign) else []
+            for target in targets:
+                if isinstance(target, ast.Name) and "FORMAT" in target.id:
+                    value = getattr(node, "value", None)
+                    tag = value.value if isinstance(value, ast.Constant) else None
+                    if not (target.id.endswith("_FORMAT") and isinstance(tag, str) and FILE_FORMAT.fullmatch(tag)):
+                        wrong.append(f"{name}.{target.id}")
+    assert not wrong, f"a *_FORMAT constant is a clef-gguf file's version tag, and only that: {wrong}"

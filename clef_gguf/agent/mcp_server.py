@@ -38,8 +38,9 @@ from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
 from clef_gguf import __version__
-from clef_gguf.bulk.deps import need
+from clef_gguf.core.deps import need
 from clef_gguf.core import errors
+from clef_gguf.core.questions import TYPES, question_type, winner
 from clef_gguf.media.sources import MediaPolicy, add_file_roots_argument, served_sources
 from clef_gguf.runtime.flags import add_model_arguments, load_model
 from clef_gguf.runtime.registry import Models, model_entries
@@ -57,10 +58,7 @@ SDK_MAJOR = 2  # the low-level server's constructor handlers and snake_case fiel
 DECIDE = ("Answer questions about a state with the Clef decision model (Cloudflare's SystemOne format), "
           "in one forward pass, no text generated. Arguments: `state` (text, or any JSON: a ticket, "
           "a record, a conversation) and `questions` (id -> question). Question types: "
-          "`noul` = yes/no, answered with P(yes); `choice` = pick one of `criteria` (option id -> "
-          "description), answered with the choice, its confidence and every option's probability; "
-          "`score` = a level of `criteria` (a list, lowest first), answered with the expected level "
-          "0..n-1, the likeliest level's probability and every level's. Optional: `instructions` "
+          + "; ".join(f"`{t.name}` = {t.summary}" for t in TYPES) + ". Optional: `instructions` "
           "per question, `images` (data: URIs or base64), `model` (a served model or fine-tune; "
           "see the models tool), `options` ({truncate_state, strict}), `evidence` (true: the state "
           "spans each answer's attention rested on; {\"mode\": \"occlusion\"} also re-runs without each).")
@@ -96,16 +94,12 @@ def summary(response: Mapping[str, Any]) -> str:
     probability), then the model, truncation and warnings."""
     lines = []
     for qid, answer in response["answers"].items():
-        kind = answer["type"]
-        if kind == "noul":
-            lines.append(f"{qid}: noul {answer['noul']}")
-        elif kind == "choice":
-            lines.append(f"{qid}: choice {answer['choice']} ({answer['confidence']})")
-        else:
-            probabilities = answer["probabilities"]
-            top = max(probabilities, key=probabilities.__getitem__)
-            lines.append(f"{qid}: score {answer['score']} ({_level(answer['legend'][top])}, "
-                         f"{answer['confidence']})")
+        fields = dict(answer)
+        if "legend" in answer:  # the likeliest level's description: the levels' ``winner``
+            levels = list(answer["probabilities"].items())
+            fields["likeliest"] = _level(answer["legend"][levels[winner([p for _, p in levels])][0]])
+        line = question_type(answer.get("type"), field=f"answers.{qid}.type").mcp_line
+        lines.append(f"{qid}: {line.format_map(fields)}")
     lines.append(f"model: {response['model']}")
     if response.get("truncated"):
         lines.append("truncated: the state was cut to fit the window")

@@ -21,6 +21,7 @@ from pathlib import Path
 from clef_gguf.runtime import engine
 from clef_gguf.core import errors
 from clef_gguf.core.argtypes import positive_int, seconds
+from clef_gguf.core.deps import install_hint
 from clef_gguf.bulk import records
 from clef_gguf.bulk.output import Output
 from clef_gguf.bulk.progress import Progress
@@ -72,7 +73,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r = p.add_argument_group("engine")
     r.add_argument("--engine", choices=("local", "ray"), default="local",
                    help="local (default): this process; ray: Ray Data actors, one model copy "
-                        "each (needs pip install 'clef-gguf[ray]')")
+                        f"each (needs {install_hint('ray')})")
     r.add_argument("--ray-address", metavar="ADDR", default=os.environ.get("RAY_ADDRESS"),
                    help="the Ray cluster to use, e.g. ray://head:10001 or auto (default "
                         "$RAY_ADDRESS; unset: a private Ray on this machine, stopped at the end)")

@@ -20,7 +20,7 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
-from clef_gguf.bulk.deps import need
+from clef_gguf.core.deps import need
 from clef_gguf.core.errors import CorruptOutput, InvalidValue
 
 # Parquet columns: objects as JSON text (answers differ in shape from one schema to the next, so

@@ -20,7 +20,7 @@ from typing import Any
 
 from clef_gguf.core import errors
 from clef_gguf.bulk import local
-from clef_gguf.bulk.deps import need
+from clef_gguf.core.deps import need
 from clef_gguf.core.cpus import available_cpus
 from clef_gguf.bulk.records import Record
 from clef_gguf.media.sources import MediaPolicy

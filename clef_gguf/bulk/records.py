@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from clef_gguf.core import errors
-from clef_gguf.bulk.deps import need
+from clef_gguf.core.deps import need
 from clef_gguf.core.errors import DuplicateId, InvalidInput
 from clef_gguf.pipeline.request import parse_json, parse_request
 

@@ -8,9 +8,12 @@ model of ``pick`` all start from it. ``models/`` may import this module (tests/t
 from typing import Literal, get_args
 
 CONTEXT_WINDOW = 16384
-# Binary byte units, for budgets and messages.
+# Byte units: every byte size outside this module is written with them (tests/test_layout.py holds it).
+# Binary ones for budgets, buffers and memory; GB decimal, as model cards and the Hub print file sizes.
+KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
+GB = 10**9
 # A size in MiB (a cache budget flag or setting) is under this: a bound that also refuses inf and nan.
 MAX_MB = 1 << 30
 # The vision cache's default budget in MiB (``clef_gguf.vision.cache``), here so that the load settings

@@ -1,12 +1,12 @@
 """How busy the machine is beside a measurement: the one measure of "busy" for everything that times
 (``pick``'s speed probe, ``tune``).
 
-A measurement that shares the cores with a build measures the build too: on a 2-core machine, a probe
-taken while a compile held both cores put Q5_K_S at 4x Q5_K_M (they are within a few percent on a quiet
-one), and ``tune`` kept ``threads=1`` at 2.4x, a contention artifact. What is measured is the work of
-some processes (a child and its children, or this process); everything else the system's CPU counters
-saw in the same window is someone else's. Only the part that overlaps the cores the measurement uses
-slows it: with one thread on 2 cores, one busy core is no contention.
+A measurement that shares the cores with a build measures the build too: quants that time within a
+few percent of each other on a quiet machine read several times apart, and ``tune`` would keep a value
+that only won because another process held the cores (the cases: docs/models.md, "A busy machine").
+What is measured is the work of some processes (a child and its children, or this process); everything
+else the system's CPU counters saw in the same window is someone else's. Only the part that overlaps the
+cores the measurement uses slows it: with one thread on 2 cores, one busy core is no contention.
 
 Callers take windows with :class:`Meter` (``contention_now`` is one window of an idle wait). Tests that
 check what a caller does with a busy or quiet machine replace ``Meter`` with a fake; nothing else here

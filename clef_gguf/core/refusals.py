@@ -3,12 +3,14 @@
 Benchmark kits and SDKs tell "this engine cannot take this request" (recorded as unsupported) from "this
 engine failed" (an error, retried) by conventional phrases in the message body: the OpenAI-style "maximum
 context length", "context window", "options per choice"... Each text here carries one of ``KIT_PHRASES``
-beside the numbers and the advice; the error classes and codes stay those of ``core.errors``.
+beside the numbers and the advice; the error classes and codes stay those of ``core.errors``. The words
+of a question type's option counts are its registry entry's (``core.questions``: ``too_few``, ``too_many``).
 """
 
 from __future__ import annotations
 
-from clef_gguf.core.questions import CHOICE_OPTIONS, MAX_QUESTIONS, SCORE_LEVELS
+from clef_gguf.core import errors
+from clef_gguf.core.questions import MAX_QUESTIONS, SCORE, question_type
 
 # The Decision Index kit's capacity phrases (case-sensitive substrings of a 400/413/422 body).
 KIT_PHRASES = ("options per choice", "a choice needs at least two options", "a score takes 2 to 10 levels",
@@ -35,21 +37,28 @@ def fixed_part(what: str, tokens: int, window: int) -> str:
     return f"{what} requires {tokens} tokens before state; maximum is {window}: it {_window(window)}"
 
 
-def too_few_options(qid: str, kind: str, n: int) -> str:
-    if kind == "score":
-        return f"{qid}: {score_levels(n)}"
-    return f"{qid}: a choice needs at least {_NUMBERS.get(CHOICE_OPTIONS[0], CHOICE_OPTIONS[0])} options (got {n})"
+def too_few_options(qid: str, type_name: str, n: int) -> str:
+    """Fewer options than strict allows a question of ``type_name``: the words its registry entry holds."""
+    return _count(qid, type_name, n, few=True)
 
 
-def too_many_options(qid: str, kind: str, n: int) -> str:
-    if kind == "score":
-        return f"{qid}: {score_levels(n)}"
-    return f"{qid}: at most {CHOICE_OPTIONS[1]} options per choice (got {n})"
+def too_many_options(qid: str, type_name: str, n: int) -> str:
+    return _count(qid, type_name, n, few=False)
+
+
+def _count(qid: str, type_name: str, n: int, *, few: bool) -> str:
+    entry = question_type(type_name, field=f"questions.{qid}.type")
+    words = entry.too_few if few else entry.too_many
+    if entry.counts is None or words is None:
+        raise errors.InternalError(f"a {entry.name} question has no option count to refuse", field=f"questions.{qid}")
+    lo, hi = entry.counts
+    return f"{qid}: " + words.format(lo=lo, hi=hi, lo_word=_NUMBERS.get(lo, lo), n=n)
 
 
 def score_levels(n: int) -> str:
-    lo, hi = SCORE_LEVELS
-    return f"a score takes {lo} to {hi} levels (got {n})"
+    assert SCORE.counts is not None and SCORE.too_many is not None
+    lo, hi = SCORE.counts
+    return SCORE.too_many.format(lo=lo, hi=hi, n=n)
 
 
 def too_many_questions(n: int) -> str:

@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from clef_gguf.core.questions import winner
+
 KL_FLOOR = 1e-12
 WORST = 5
 
@@ -43,7 +45,7 @@ def pairs(reference: Sequence[dict[str, Any]], model: Sequence[dict[str, Any]]) 
 
 def per_pair(pair: dict[str, Any]) -> dict[str, float]:
     p, q = pair["p"], pair["q"]
-    return {"top1": float(int(np.argmax(p)) == int(np.argmax(q))), "max_abs_dp": float(np.max(np.abs(p - q))),
+    return {"top1": float(winner(p) == winner(q)), "max_abs_dp": float(np.max(np.abs(p - q))),
             "sum_abs_dp": float(np.sum(np.abs(p - q))), "n_options": float(len(p)), "kl": kl(p, q)}
 
 

@@ -6,7 +6,7 @@ One model writes ``DIR/predictions.jsonl`` (clef-finetune's rows), ``DIR/metrics
 reference) each get those files in ``DIR/<model>/``, loaded one at a time, and the top level gets
 the comparison: ``summary.json``, ``report.md`` and, with ``--plots``, ``reliability.png`` and
 ``tradeoff.png``. Rerunning the same command resumes: finished models are not loaded again.
-A Decision Index suite file (``evaluate.suite``) adds the per-benchmark table (``evaluate.benchmarks``)
+A Decision Index suite file (``evaluate.suite``) adds the per-benchmark table (``evaluate.decision_index``)
 to both, and ``benchmarks.png``; ``--quants`` names the models as quants of one family or directory.
 """
 
@@ -24,13 +24,13 @@ from clef_gguf.bulk.job import media_policy
 from clef_gguf.core import errors
 from clef_gguf.core.argtypes import non_negative_int, positive_int
 from clef_gguf.runtime.flags import add_model_arguments, load_model
-from clef_gguf.evaluate import agreement, benchmarks, demo, metrics, plots, predict, report, stats, suite
+from clef_gguf.evaluate import agreement, decision_index, demo, metrics, plots, predict, report, stats, suite
 from clef_gguf.evaluate import records as labelled
 from clef_gguf.formats.files import sha256_file
 from clef_gguf.runtime.model import Clef
 from clef_gguf.runtime.registry import Models
 
-FORMAT = "clef-gguf-eval/1"
+EVAL_FORMAT = "clef-gguf-eval/1"
 DEFAULT_FAMILY = "clef-flash"
 
 
@@ -195,13 +195,13 @@ def summarize_runs(runs: Sequence[predict.ModelRun], model_metrics: Sequence[dic
 
 def add_benchmarks(summaries: Sequence[dict[str, Any]], runs: Sequence[predict.ModelRun], rows: suite.Suite,
                    *, seed: int, resamples: int) -> None:
-    """Each model's per-benchmark numbers (``benchmarks``) and, past the reference, its per-benchmark
+    """Each model's per-benchmark numbers (``decision_index``) and, past the reference, its per-benchmark
     agreement and deltas (``benchmark_deltas``)."""
     for i, (s, run) in enumerate(zip(summaries, runs)):
-        s["benchmarks"] = benchmarks.table(run.lines, rows.benchmarks, rows.not_computed, seed=seed,
+        s["benchmarks"] = decision_index.table(run.lines, rows.benchmarks, rows.not_computed, seed=seed,
                                            resamples=resamples)
         if i:
-            s["benchmark_deltas"] = benchmarks.deltas(runs[0].lines, run.lines, rows.benchmarks, seed=seed,
+            s["benchmark_deltas"] = decision_index.deltas(runs[0].lines, run.lines, rows.benchmarks, seed=seed,
                                                       resamples=resamples)
 
 
@@ -230,7 +230,7 @@ def run_eval(args: argparse.Namespace) -> int:
     labels = _labels(pairs)
     runs, model_metrics = [], []
     for (model, cal), label, directory in zip(pairs, labels, _directories(out, labels)):
-        identity = {"format": FORMAT, "data_sha256": data_sha, "records": len(records),
+        identity = {"format": EVAL_FORMAT, "data_sha256": data_sha, "records": len(records),
                     "model": str(Path(model).resolve()) if Path(model).exists() else model,
                     "calibration": str(Path(cal).resolve()) if cal else "none",
                     "truncate_state": args.truncate_state, "max_length": args.max_length}
@@ -250,7 +250,7 @@ def run_eval(args: argparse.Namespace) -> int:
         written = [p for p in (plots.reliability(summaries, out / "reliability.png"),
                                plots.tradeoff(summaries, out / "tradeoff.png"),
                                rows and plots.benchmarks(summaries, out / "benchmarks.png")) if p]
-    summary = {"format": FORMAT, "data": str(data), "data_sha256": data_sha, "records": counts,
+    summary = {"format": EVAL_FORMAT, "data": str(data), "data_sha256": data_sha, "records": counts,
                "seed": args.seed, "models": summaries, "plots": [str(p) for p in written]}
     if rows:
         summary["suite"] = {"format": "decision-index", "benchmarks": sorted(set(rows.benchmarks.values()))}

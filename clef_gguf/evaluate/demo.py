@@ -54,8 +54,7 @@ def labelled(clef: Clef, n: int, *, seed: int = 0, temperature: float = TEMPERAT
         for question, p in zip(prepared.request.questions, probs):
             p = np.asarray(p, dtype=np.float64)
             option = question.options[int(rng.choice(len(p), p=p / p.sum()))].id
-            labels[question.id] = (option == "true" if question.type == "noul"
-                                   else int(option) if question.type == "score" else option)
+            labels[question.id] = question.question_type.label_of(option)
         out.append(request | {"labels": labels})
     return out
 

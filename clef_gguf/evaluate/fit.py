@@ -16,12 +16,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from clef_gguf.formats import calibration as cal
-from clef_gguf.core.questions import QUESTION_TYPES
+from clef_gguf.core.questions import QUESTION_TYPES, TYPES, question_type
 
 BOUNDS = (0.25, 8.0)  # the temperatures a fit may return
 MIN_QUESTIONS = 30  # items a band (or a type) needs for a temperature of its own
 ITERATIONS = 80
-BANDS_OF = {"noul": ("2",), "choice": tuple(b for _, b in cal.BANDS), "score": tuple(b for _, b in cal.BANDS)}
+# Each type's option-count bands: a type with fixed options has one count, so one band; the others all.
+BANDS_OF = {t.name: (cal.band(len(t.fixed)),) if t.fixed else tuple(b for _, b in cal.BANDS) for t in TYPES}
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,9 @@ class Item:
     logits: np.ndarray  # float64 [k]
     target: int | None = None  # label mode
     reference: np.ndarray | None = None  # KL mode: the reference's probabilities [k]
+
+    def __post_init__(self) -> None:
+        question_type(self.type, field="type")  # InvalidQuestionType for a type nobody registered
 
     @property
     def key(self) -> str:

@@ -6,7 +6,10 @@ holds ``n``, ``accuracy``, ``nll`` (the target's probability clipped at 1e-12), 
 when every row of the block has the same option count; over the classes that occur) and
 ``auto_decide`` (the largest share of rows decided at a confidence threshold while precision
 stays at 0.99 / 0.95). The arithmetic runs in the same order as clef-finetune's, in Python
-floats, so the numbers are equal and a user can diff ours against theirs. ``per_type`` and the
+floats, so the numbers are equal and a user can diff ours against theirs. The predicted option is
+``core.questions.winner`` over the row's options in prompt order (clef-finetune's), so an exact tie
+goes to the first option in prompt order where the answer names the first in request order: a
+choice's ``option_ids`` are sorted, its report order is the request's. ``per_type`` and the
 reliability table are this project's additions.
 """
 
@@ -16,16 +19,13 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from clef_gguf.core.questions import winner
+
 TARGET_PRECISIONS = (0.99, 0.95)
 ECE_BINS = 10
 NLL_FLOOR = 1e-12
 
 Probs = Sequence[Sequence[float]]
-
-
-def argmax(p: Sequence[float]) -> int:
-    """The first of tied maxima."""
-    return max(range(len(p)), key=p.__getitem__)
 
 
 def accuracy(preds: Sequence[int], targets: Sequence[int]) -> float:
@@ -63,7 +63,7 @@ def ece(probs: Probs, targets: Sequence[int], n_bins: int = ECE_BINS) -> float:
     bins: list[list[tuple[float, bool]]] = [[] for _ in range(n_bins)]
     for p, t in zip(probs, targets):
         conf = max(p)
-        bins[_bin(conf, n_bins)].append((conf, argmax(p) == t))
+        bins[_bin(conf, n_bins)].append((conf, winner(p) == t))
     n = len(targets)
     total = 0.0
     for b in bins:
@@ -98,7 +98,7 @@ def block(rows: Sequence[dict[str, Any]],
     """One block of ``summarize`` (rows must not be empty)."""
     probs = [r["probs"] for r in rows]
     targets = [r["target"] for r in rows]
-    preds = [argmax(p) for p in probs]
+    preds = [winner(p) for p in probs]
     out: dict[str, Any] = {"n": len(rows), "accuracy": accuracy(preds, targets),
                            "nll": nll(probs, targets), "brier": brier(probs, targets),
                            "ece": ece(probs, targets)}
@@ -133,7 +133,7 @@ def reliability(rows: Sequence[dict[str, Any]], n_bins: int = ECE_BINS) -> list[
     for r in rows:
         p = r["probs"]
         conf = max(p)
-        bins[_bin(conf, n_bins)].append((conf, argmax(p) == r["target"]))
+        bins[_bin(conf, n_bins)].append((conf, winner(p) == r["target"]))
     return [{"lo": i / n_bins, "hi": (i + 1) / n_bins, "n": len(b),
              "confidence": sum(c for c, _ in b) / len(b) if b else None,
              "accuracy": sum(ok for _, ok in b) / len(b) if b else None}

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from clef_gguf.bulk.deps import need
+from clef_gguf.core.deps import need
 from clef_gguf.core.limits import MiB
 
 

@@ -95,33 +95,10 @@ def option_ids(question: Question) -> list[str]:
 
 
 def normalize_label(question: Question, label: Any) -> str:
-    """A raw label as its option id; ``InvalidLabel`` when it is none of the question's."""
-    where = f"labels.{question.id}"
-    if question.type == "noul":
-        if isinstance(label, bool):
-            return "true" if label else "false"
-        if isinstance(label, str) and label.lower() in ("true", "false"):
-            return label.lower()
-        raise errors.InvalidLabel(f"{question.id}: a noul label is true or false, not {label!r:.60}",
-                                  field=where)
-    ids = option_ids(question)
-    if question.type == "choice":
-        if isinstance(label, str) and label in ids:
-            return label
-        raise errors.InvalidLabel(f"{question.id}: choice label {label!r:.60} is not one of its "
-                                  f"options {ids[:20]}", field=where)
-    level: int | None = None
-    if isinstance(label, int) and not isinstance(label, bool):
-        level = label
-    elif isinstance(label, str) and label.strip().isdigit():
-        try:
-            level = int(label)
-        except ValueError:  # digits int() does not read (superscripts)
-            level = None
-    if level is None or not 0 <= level < len(ids):
-        raise errors.InvalidLabel(f"{question.id}: score label {label!r:.60} is not a level "
-                                  f"0..{len(ids) - 1}", field=where)
-    return str(level)
+    """A raw label as its option id, as its type's registry entry reads labels (``core.questions``:
+    noul a boolean, choice an option id, score a level); ``InvalidLabel`` when it is none of the
+    question's, ``InvalidQuestionType`` for a type nobody registered."""
+    return question.question_type.read_label(question.id, option_ids(question), label)
 
 
 def targets(request: Request, labels: dict[str, Any]) -> tuple[dict[str, int], list[dict]]:

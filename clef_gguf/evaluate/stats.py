@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from clef_gguf.core.questions import winner
 from clef_gguf.evaluate.metrics import ECE_BINS, NLL_FLOOR
 
 Z95 = 1.959963984540054
@@ -47,7 +48,7 @@ class Rows:
     def __init__(self, rows: Sequence[dict[str, Any]]) -> None:
         probs = [np.asarray(r["probs"], dtype=np.float64) for r in rows]
         targets = [int(r["target"]) for r in rows]
-        self.correct = np.array([int(np.argmax(p)) == t for p, t in zip(probs, targets)], dtype=np.float64)
+        self.correct = np.array([winner(p) == t for p, t in zip(probs, targets)], dtype=np.float64)
         self.confidence = np.array([float(p.max()) for p in probs])
         self.nll = np.array([-math.log(max(float(p[t]), NLL_FLOOR)) for p, t in zip(probs, targets)])
         self.brier = np.array([float(np.sum((p - np.eye(len(p))[t]) ** 2)) for p, t in zip(probs, targets)])

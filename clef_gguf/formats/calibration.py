@@ -29,7 +29,7 @@ from clef_gguf.core import errors
 from clef_gguf.formats.files import ModelFiles
 from clef_gguf.core.questions import QUESTION_TYPES
 
-FORMAT = "clef-gguf-calibration/1"
+CALIBRATION_FORMAT = "clef-gguf-calibration/1"
 NONE = "none"  # audit.calibration_version without a calibration: the reference's T = 1
 BANDS = ((2, "2"), (5, "3_5"), (10, "6_10"), (math.inf, "11"))  # (largest option count, name)
 BOUND_KEYS = ("tower_sha256", "head_sha256", "head_config_sha256", "prompt_template_sha256",
@@ -68,7 +68,7 @@ class Calibration:
     @classmethod
     def build(cls, body: dict[str, Any]) -> Calibration:
         """A new calibration from its fields (``version`` is computed)."""
-        body = {"format": FORMAT, **{k: v for k, v in body.items() if k not in ("format", "version")}}
+        body = {"format": CALIBRATION_FORMAT, **{k: v for k, v in body.items() if k not in ("format", "version")}}
         body["version"] = version_of(body)
         return cls.parse(body, source="the new calibration")
 
@@ -77,8 +77,8 @@ class Calibration:
         def bad(why: str) -> errors.CorruptCalibration:
             return errors.CorruptCalibration(f"{source}: {why}", field="calibration")
 
-        if not isinstance(body, dict) or body.get("format") != FORMAT:
-            raise bad(f"not a clef-gguf calibration file (format {FORMAT})")
+        if not isinstance(body, dict) or body.get("format") != CALIBRATION_FORMAT:
+            raise bad(f"not a clef-gguf calibration file (format {CALIBRATION_FORMAT})")
         version = body.get("version")
         try:
             expected = version_of(body)

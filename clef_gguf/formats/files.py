@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 
 from clef_gguf.core.errors import ConversionError, CorruptModel, InvalidSetting, ModelNotFound
+from clef_gguf.core.limits import MiB
 
 MANIFEST = "clef-gguf.json"
 MANIFEST_FORMAT = "clef-gguf/1"
@@ -28,9 +29,6 @@ HEAD_WEIGHTS = "joint_head.safetensors"
 HEAD_CONFIG = "joint_head_config.json"
 TOKENIZER = "tokenizer.json"
 ROLES = ("tower", "head_weights", "head_config", "tokenizer")
-# The two tower formats: a GGUF run by llama.cpp, or a compressed-tensors NVFP4 checkpoint run by
-# PyTorch (``tower`` is then the checkpoint's config.json; its safetensors lie beside it).
-BACKENDS = ("gguf", "nvfp4")
 CHECKPOINT_CONFIG = "config.json"
 SAFETENSORS_INDEX = "model.safetensors.index.json"  # a sharded checkpoint's tensor -> file map
 # A model's vision tower: the release's ``vision_config`` (verbatim) and its vision tensors (prefix
@@ -49,6 +47,9 @@ class ModelFiles:
     tokenizer: Path
     name: str = "clef"
     revision: str | None = None
+    # Which backend runs the tower (a name of ``runtime.backends.BACKENDS``, the registry): "gguf", a GGUF
+    # run by llama.cpp, or "nvfp4", a compressed-tensors NVFP4 checkpoint run by PyTorch (``tower`` is
+    # then the checkpoint's config.json; its safetensors lie beside it).
     backend: str = "gguf"
     # sha256 by file name, where a manifest or a catalog already knows it.
     sha256: dict[str, str] = field(default_factory=dict)
@@ -94,7 +95,7 @@ class ModelFiles:
                 raise ModelNotFound(f"{role} file not found: {path}", field=role)
 
 
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+def sha256_file(path: Path, chunk: int = 4 * MiB) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
         while block := fh.read(chunk):

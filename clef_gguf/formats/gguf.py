@@ -33,17 +33,47 @@ NATIVE_ARCH = "clef"
 READ_ERRORS: dict[type[BaseException], type[errors.ClefError]] = {Exception: CorruptModel}
 
 
-def open_gguf(path: str | Path, field: str = "tower") -> gguf.GGUFReader:
+# Metadata arrays longer than this (the vocabulary's 248,320 tokens, their types and merges) are walked
+# and checked but not read into gguf-py's per-item arrays unless asked for: one numpy array per item was
+# ~1.7M Python objects for a Clef-Flash tower, ~0.5 GiB held while it parsed and seconds per load, for
+# values that only `convert split` reads (llama.cpp and tokenizer.json have their own copies).
+SKIM_ITEMS = 1024
+
+
+def open_gguf(path: str | Path, field: str = "tower", *, whole_arrays: bool = False) -> gguf.GGUFReader:
     """Parse a GGUF's header and tensor table (mmap); a truncated or foreign file -> CorruptModel
-    (``field``: which of the model's files it is)."""
+    (``field``: which of the model's files it is). ``whole_arrays``: read every metadata array into
+    gguf-py's fields (``ReaderField.contents``); else long ones are only located (:func:`array_length`,
+    :func:`string_items`)."""
     path = Path(path)
     if not path.is_file():
         raise ModelNotFound(f"GGUF file not found: {path}", field=field)
     ensure_gguf_types()  # PyPI gguf lacks Q2_0: without this a Q2_0 file raises ValueError
     with errors.mapped(READ_ERRORS, field=field, what=f"{path} is not a readable GGUF file"):
-        reader = _Reader(path, "r")
+        reader = (_Reader if whole_arrays else _SkimReader)(path, "r")
         _check_table(reader)
     return reader
+
+
+def array_length(reader: gguf.GGUFReader, key: str) -> int | None:
+    """Items of the metadata array ``key`` (None: no such key), read whole or not."""
+    skimmed = getattr(reader, "skimmed", {}).get(key)
+    if skimmed is not None:
+        return len(skimmed[1])
+    f = reader.fields.get(key)
+    return None if f is None else len(f.data)
+
+
+def string_items(reader: gguf.GGUFReader, key: str) -> list[bytes]:
+    """The items of the string array ``key`` as bytes ([] where absent), read whole or not."""
+    skimmed = getattr(reader, "skimmed", {}).get(key)
+    if skimmed is not None:
+        _, starts, end = skimmed
+        view = memoryview(reader.data.data)  # items lie back to back: each ends where the next begins
+        ends = [*starts[1:].tolist(), end]
+        return [bytes(view[o + 8:e]) for o, e in zip(starts.tolist(), ends)]
+    f = reader.fields.get(key)
+    return [] if f is None else [bytes(f.parts[i]) for i in f.data]
 
 
 class _Reader(gguf.GGUFReader):
@@ -75,6 +105,65 @@ class _Reader(gguf.GGUFReader):
         if int(count) > len(self.data) // 24:  # a tensor entry takes at least 24 bytes
             raise ValueError(f"{int(count)} tensor entries cannot fit in the file")
         return super()._build_tensor_info(offs, count)
+
+
+class _SkimReader(_Reader):
+    """:class:`_Reader` that only locates long metadata arrays (``SKIM_ITEMS``): each is walked (every
+    string's length checked against the file's end), its field keeps no items, and ``skimmed[key]`` holds
+    its item type, where each item starts and where the array ends."""
+
+    def __init__(self, path: Path, mode: Literal["r"]) -> None:
+        self.skimmed: dict[str, tuple[gguf.GGUFValueType, npt.NDArray[np.int64], int]] = {}
+        self._key = ""
+        super().__init__(path, mode)
+
+    def _build_fields(self, offs: int, count: int) -> int:
+        if int(count) > len(self.data) // 13:
+            raise ValueError(f"{int(count)} metadata entries cannot fit in the file")
+        for _ in range(int(count)):  # gguf-py's loop, knowing each field's key while its value is read
+            orig_offs = offs
+            klen, kdata = self._get_str(offs)
+            self._key = str(bytes(kdata), encoding="utf-8")
+            offs += int(klen.nbytes + kdata.nbytes)
+            raw_type = self._get(offs, np.uint32)
+            offs += int(raw_type.nbytes)
+            parts: list[npt.NDArray[Any]] = [klen, kdata, raw_type]
+            size, value_parts, idxs, types = self._get_field_parts(offs, int(raw_type[0]))
+            self._push_field(gguf.ReaderField(orig_offs, self._key, parts + value_parts,
+                                              [i + len(parts) for i in idxs], types), skip_sum=True)
+            offs += size
+        return offs
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int
+                         ) -> tuple[int, list[npt.NDArray[Any]], list[int], list[gguf.GGUFValueType]]:
+        if raw_type != gguf.GGUFValueType.ARRAY or self.byte_order != "I":
+            return super()._get_field_parts(orig_offs, raw_type)
+        raw_itype = self._get(orig_offs, np.uint32)
+        count = self._get(orig_offs + 4, np.uint64)
+        n, itype = int(count[0]), gguf.GGUFValueType(int(raw_itype[0]))
+        if n <= SKIM_ITEMS or itype == gguf.GGUFValueType.ARRAY:
+            return super()._get_field_parts(orig_offs, raw_type)
+        if n > len(self.data) - orig_offs:
+            raise ValueError(f"an array of {n} items at offset {orig_offs} overruns the file")
+        offs, end = orig_offs + 12, len(self.data)
+        if itype == gguf.GGUFValueType.STRING:
+            starts = np.empty(n, dtype=np.int64)
+            view = memoryview(self.data.data)
+            for i in range(n):
+                if offs + 8 > end:
+                    raise ValueError(f"the file ends inside item {i} of {self._key}")
+                starts[i] = offs
+                offs += 8 + int.from_bytes(view[offs:offs + 8], "little")
+            if offs > end:
+                raise ValueError(f"the last item of {self._key} runs past the end of the file")
+        else:
+            width = np.dtype(self.gguf_scalar_to_np[itype]).itemsize
+            starts = orig_offs + 12 + width * np.arange(n, dtype=np.int64)
+            offs += width * n
+            if offs > end:
+                raise ValueError(f"{self._key}'s {n} items run past the end of the file")
+        self.skimmed[self._key] = (itype, starts, offs)
+        return offs - orig_offs, [raw_itype, count], [], [gguf.GGUFValueType.ARRAY, itype]
 
 
 def _check_table(reader: gguf.GGUFReader) -> None:
@@ -185,8 +274,8 @@ def check_header(reader: gguf.GGUFReader, path: Path) -> None:
     eps = number("qwen35.attention.layer_norm_rms_epsilon", {"FLOAT32", "FLOAT64"})
     if not 0 < eps < 1:  # NaN fails too
         refuse(f"qwen35.attention.layer_norm_rms_epsilon is {eps}")
-    tokens = reader.fields.get("tokenizer.ggml.tokens")  # llama.cpp asserts they are distinct
-    if tokens is not None and len({bytes(tokens.parts[i]) for i in tokens.data}) < len(tokens.data):
+    tokens = string_items(reader, "tokenizer.ggml.tokens")  # llama.cpp asserts they are distinct
+    if len(set(tokens)) < len(tokens):
         refuse("tokenizer.ggml.tokens holds the same token twice")
 
 

@@ -5,7 +5,7 @@ them with torchvision (``load_image_as_tensor``): ``http(s)://`` URLs are fetche
 read, anything else is base64 (a ``data:image/...`` prefix dropped), then decoded with the EXIF rotation
 applied and alpha dropped (``ImageReadMode.RGB``: libpng strips alpha, it does not blend). Pillow's
 ``exif_transpose`` + ``convert("RGB")`` gives the same pixels for the formats torchvision decodes,
-which are the formats accepted here (``DECODED_FORMATS``).
+which are the formats accepted here (``DECODED_IMAGE_TYPES``).
 
 What a request may name is a ``MediaPolicy``: ``data:`` URIs and raw base64 always; local paths and
 URLs only when allowed (a server that reads what a request names is an SSRF and file-disclosure hole).
@@ -39,15 +39,16 @@ import PIL.Image
 import PIL.ImageOps
 
 from clef_gguf.core import errors, refusals
+from clef_gguf.core.limits import KiB, MiB
 
 # What torchvision's decode_image reads (AVIF/HEIC need an extra package the reference does not have);
 # MPO is how Pillow names the multi-picture JPEGs cameras write (torchvision decodes the first picture).
-DECODED_FORMATS = ("JPEG", "MPO", "PNG", "GIF", "WEBP")
+DECODED_IMAGE_TYPES = ("JPEG", "MPO", "PNG", "GIF", "WEBP")
 DEFAULT_MAX_PIXELS = 50_000_000
 DEFAULT_MAX_IMAGES = 32
 URL_TIMEOUT_S = 10.0
-URL_MAX_BYTES = 32 * 1024 * 1024
-_CHUNK = 1 << 16
+URL_MAX_BYTES = 32 * MiB
+_CHUNK = 64 * KiB
 # Video files: ten minutes, the processor's own max_frames, ~0.9 GB of RGB frames held at once, and a
 # decode deadline (FFmpeg decodes every frame up to the last one sampled).
 DEFAULT_MAX_VIDEO_SECONDS = 600.0
@@ -90,14 +91,19 @@ class MediaPolicy:
 INLINE_ONLY = MediaPolicy(local_paths=False)
 
 
+def file_roots_help(refused: str) -> str:
+    """``--media-allow-files [DIR]``'s help (``serve``'s settings, ``mcp``); ``refused``: what happens to a
+    path without the flag."""
+    return ("let requests name images and video files by local path (relative to the working "
+            "directory), when the file (symlinks followed) lies inside DIR; "
+            f"repeatable; without DIR: the working directory. Default: {refused}")
+
+
 def add_file_roots_argument(group: Any, refused: str) -> None:
-    """``--media-allow-files [DIR]`` on an argparse group (``serve``, ``mcp``): what ``served_sources``
-    reads. ``refused``: what happens to a path without the flag, for the help."""
+    """``--media-allow-files [DIR]`` on an argparse group (``mcp``; ``serve``'s is generated from its
+    settings): what ``served_sources`` reads. ``refused``: what happens to a path without the flag."""
     group.add_argument("--media-allow-files", action="append", nargs="?", const=".", metavar="DIR",
-                       default=None,
-                       help="let requests name images and video files by local path (relative to the working "
-                            "directory), when the file (symlinks followed) lies inside DIR; "
-                            f"repeatable; without DIR: the working directory. Default: {refused}")
+                       default=None, help=file_roots_help(refused))
 
 
 def served_sources(args: Any) -> MediaPolicy:
@@ -331,7 +337,7 @@ def decode_image(data: bytes, policy: MediaPolicy, field: str) -> PIL.Image.Imag
         raise errors.InvalidMedia("not an image in a format we decode (PNG, JPEG, GIF, WebP)",
                                   field=field) from None
     with image:
-        if image.format not in DECODED_FORMATS:
+        if image.format not in DECODED_IMAGE_TYPES:
             raise errors.InvalidMedia(f"unsupported image format {image.format} (PNG, JPEG, GIF, WebP)",
                                       field=field)
         width, height = image.size

@@ -7,6 +7,7 @@ import json
 import sys
 
 from clef_gguf.core.argtypes import positive_int
+from clef_gguf.core.limits import GB
 from clef_gguf.models.catalog import ModelRef, load_catalog
 from clef_gguf.models.hfcache import cache_dir
 from clef_gguf.models.hub import auto_order, pull
@@ -59,7 +60,7 @@ def run_pull(args: argparse.Namespace) -> int:
               file=sys.stderr)
     if src.checkpoint is not None:
         known = src.checkpoint.known_size()
-        size = f" (about {known[0] / 1e9:.1f} GB, {known[1]} size)" if known else ""
+        size = f" (about {known[0] / GB:.1f} GB, {known[1]} size)" if known else ""
         print(f"note: {src.repo} is a compressed-tensors NVFP4 {src.checkpoint.scheme} checkpoint for the "
               f"nvfp4 backend (PyTorch on CUDA); its checkpoint files are downloaded{size}",
               file=sys.stderr)
@@ -97,7 +98,7 @@ def run_list(args: argparse.Namespace) -> int:
         for r in rows:
             rev = ("pinned at first pull" if r["pinned_by"] is None else r["revision"][:10]
                    + (" (first pull)" if r["pinned_by"] == "first pull" else ""))
-            size = "     ?" if r["size_bytes"] is None else f"{r['size_bytes'] / 1e9:6.2f}"
+            size = "     ?" if r["size_bytes"] is None else f"{r['size_bytes'] / GB:6.2f}"
             repo = f"  {r['repo']}" if r["backend"] != "gguf" else ""
             print(f"{'*' if r['default'] else ' '} {r['name']:<30} {size} GB "
                   f"({r['size_basis']:<8}) {r['role']:<6} {rev}{repo}")
@@ -121,5 +122,5 @@ def run_list(args: argparse.Namespace) -> int:
                                else " (not the pinned revision)" if not m.pinned
                                else " (pinned at first pull)" if m.pinned_by == "first pull"
                                else "")
-        print(f"{m.name:<32} {m.size_bytes / 1e9:6.2f} GB  {rev:<12} {state}")
+        print(f"{m.name:<32} {m.size_bytes / GB:6.2f} GB  {rev:<12} {state}")
     return 0

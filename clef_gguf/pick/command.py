@@ -8,7 +8,7 @@ import json
 from clef_gguf.core.argtypes import positive_int, seconds
 from clef_gguf.core.cpus import available_cpus
 from clef_gguf.core.errors import InvalidValue
-from clef_gguf.core.limits import GiB
+from clef_gguf.core.limits import GB, GiB
 from clef_gguf.pick import quality, speed
 from clef_gguf.models.machine import DeviceProfile, probe
 from clef_gguf.models.placement import (DEFAULT_CONTEXT, Candidate, Recommendation, fp4_note, gib, gpu_layers,
@@ -22,7 +22,8 @@ def _quant_list(text: str) -> list[str]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--family", default="clef-flash", help="model family (default: clef-flash)")
     parser.add_argument("--ctx", type=positive_int, default=DEFAULT_CONTEXT,
-                        help=f"context tokens to budget KV for (default: {DEFAULT_CONTEXT})")
+                        help=f"the context the model will run with (its --max-length): the KV cache and a "
+                             f"decision's activations are budgeted for this many tokens (default: {DEFAULT_CONTEXT})")
     parser.add_argument("--json", action="store_true", help="print the probe and recommendation as JSON")
     parser.add_argument("--eval", metavar="DIR",
                         help="the --output of a `clef-gguf eval` that compared quants side by side: "
@@ -48,7 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              help="each decision also carries one SIZE x SIZE picture (448: 198 more prompt "
                                   "tokens on Clef-Flash): its tokens are added to --tokens and the vision "
                                   "tower's time on it (the default exact engine, random weights at "
-                                  "Clef-Flash's vision shape) to every quant's seconds")
+                                  "Clef-Flash's vision shape) to every quant's seconds, and the vision "
+                                  "tower's memory to every quant's need (with --no-probe: the memory only)")
     speed_flags.add_argument("--threads", type=positive_int, metavar="N",
                              help="CPU threads, as you will run the model (default: all available, as the runtime)")
     speed_flags.add_argument("--max-seconds", type=seconds, metavar="S",
@@ -102,9 +104,6 @@ def run(args: argparse.Namespace) -> int:
     choosing = args.max_seconds is not None or args.prefer == "speed"  # by the probe's seconds
     if args.no_probe and args.reprobe:
         raise InvalidValue("--no-probe and --reprobe contradict each other: give one", field="reprobe")
-    if args.no_probe and args.picture:
-        raise InvalidValue("--picture adds the vision tower to the speed probe's seconds: drop --no-probe",
-                           field="picture")
     if args.no_probe and choosing:
         raise InvalidValue("--max-seconds and --prefer speed need the speed probe: drop --no-probe",
                            field="no_probe")
@@ -112,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidValue("--min-agreement needs --eval DIR (a clef-gguf eval of the quants)",
                            field="min_agreement")
     profile = probe()
-    rec = recommend(profile, args.family, context_tokens=args.ctx)
+    rec = recommend(profile, args.family, context_tokens=args.ctx, pictures=args.picture is not None)
     summary = quality.load(args.eval) if args.eval else None
     if summary is not None:
         rec = quality.apply(rec, summary, args.min_agreement)
@@ -168,7 +167,7 @@ def gguf_line(family: str, c: Candidate, table: speed.SpeedTable | None) -> str:
     """One NVFP4 GGUF in words: its name, size, memory and fit, and its predicted seconds when timed."""
     where = "on the GPU" if c.fits_gpu else "on the CPU" if c.fits_cpu else "nowhere here"
     line = (f"as an NVFP4 GGUF, {family}:{c.quant.lower()} (llama.cpp, re-encoded on first use): "
-            f"~{c.size_bytes / 1e9:.2f} GB, {c.need_bytes / GiB:.1f} GiB of memory, fits {where}")
+            f"~{c.size_bytes / GB:.2f} GB, {c.need_bytes / GiB:.1f} GiB of memory, fits {where}")
     s = table.get(c.quant) if table is not None else None
     if table is not None and s is not None and s.seconds is not None:
         return line + f"; predicted {s.seconds:.1f} s for {table.decision()}"

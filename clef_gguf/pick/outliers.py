@@ -9,14 +9,13 @@ from __future__ import annotations
 import statistics
 
 # Types whose matmuls take the same kind of CPU kernel (ggml's per-block dot products): within a group a
-# quant's time follows its bytes within a few percent (the ~110M table in docs/models.md: every K-quant
-# 230-255 ms, every IQ1-IQ3/IQ4_XS 228-252), across groups it does not (Q5_1 2.9x Q4_K_M). Absent: a
-# K-quant is "k", another IQ type "iq", anything else its own group.
+# quant's time follows its bytes within a few percent, across groups it does not (the probe's table in
+# docs/models.md). Absent: a K-quant is "k", another IQ type "iq", anything else its own group.
 # The two NVFP4 GGUFs hold the same tensor types (off Blackwell, the same 8-bit-activation dot products).
 KERNEL_GROUPS = {"Q4_0": "q_0", "Q5_0": "q_0", "Q8_0": "q_0", "IQ4_NL": "q_0", "Q4_1": "q_1", "Q5_1": "q_1",
                  "NVFP4A16-GGUF": "nvfp4", "NVFP4-GGUF": "nvfp4"}
-# A quant this many times its group's median (the others') is out of line: measured again. On a probe
-# taken while a build held both cores, Q5_K_S read 4.3x Q5_K_M.
+# A quant this many times its group's median (the others') is out of line: measured again. Far above the
+# few percent a group spreads over on a quiet machine, far below what another process's load makes of it.
 OUT_OF_LINE = 1.5
 
 

@@ -6,7 +6,7 @@ A quant keeps its answers when its top-1 agreement with the eval's reference is 
 significantly negative (the paired-bootstrap interval reaches 0 or above) on labelled records, nor on
 any benchmark of a Decision Index suite, else (no labels) when its top-1 agreement is at least
 ``DEFAULT_AGREEMENT``. The reference keeps its own
-answers by definition. Quants the eval did not run are not chosen: there is no evidence for them.
+answers by definition. Quants the eval did not run are not chosen: nothing was measured for them.
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ def choose(candidates: list[Candidate], found: dict[str, Verdict]) -> tuple[Cand
 
 def apply(recommendation: Recommendation, summary: dict[str, Any],
           min_agreement: float | None) -> Recommendation:
-    """``recommendation`` re-chosen with the eval's evidence:
+    """``recommendation`` re-chosen with what the eval measured:
     its quant, source, placement and need are the chosen candidate's, and its reason says why."""
     best, text = choose(list(recommendation.candidates), verdicts(summary, min_agreement))
     if best is None:

@@ -48,15 +48,16 @@ from clef_gguf.models.placement import Recommendation
 from clef_gguf.core import load
 from clef_gguf.pick import outliers, probe_process
 
-FORMAT = "clef-gguf-speed-probe/4"  # 4: each quant's load window (3: the line through two lengths)
+# The speed table's version: raised when what a table holds changes meaning, so that a table kept by
+# an older clef-gguf is measured again rather than misread.
+SPEED_TABLE_FORMAT = "clef-gguf-speed-probe/4"
 DEFAULT_TOKENS = 500
 PREFERENCES = ("quality", "speed")
 # Published files that are another type's mix with token_embd and output at Q8_0 (bartowski's "_L"
 # and "_XL"): the probe never multiplies by those two matrices, so they time as their base type.
 SAME_LAYERS = {"Q6_K_L": "Q6_K", "Q5_K_L": "Q5_K_M", "Q4_K_L": "Q4_K_M", "Q3_K_XL": "Q3_K_L", "Q2_K_L": "Q2_K"}
-# A tower whose bf16 file is under this is probed whole: no layer to choose or scale. On the ~110M test
-# shape, four of its 12 layers (8 MB at Q4) ran from the CPU's cache where the whole tower did not:
-# scaled, they under-predicted it by up to a third.
+# A tower whose bf16 file is under this is probed whole: no layer to choose or scale. A few layers of a
+# small tower fit the CPU's cache where the whole tower does not, so scaling them up would under-predict it.
 WHOLE_TOWER_BYTES = GiB
 SCRATCH_BYTES = 4 * GiB  # /dev/shm must have this free to hold the probe's files
 TIMEOUT_S = 900  # the whole probe; one quant's hang must not hang pick
@@ -137,8 +138,8 @@ def probe_layers(p: dict) -> int:
 
 def machine_key(preset: str, tokens: int, threads: int, gpu_layers: dict[str, int], picture: int | None = None) -> str:
     """What the measurement depends on, hashed: CPU, llama.cpp build, threads, placement, tokens, picture."""
-    parts = {"format": FORMAT, **machine.fingerprint(), "preset": preset, "tokens": tokens, "threads": threads,
-             "gpu_layers": sorted((q, n) for q, n in gpu_layers.items() if n), "picture": picture}
+    parts = {"format": SPEED_TABLE_FORMAT, **machine.fingerprint(), "preset": preset, "tokens": tokens,
+             "threads": threads, "gpu_layers": sorted((q, n) for q, n in gpu_layers.items() if n), "picture": picture}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -151,11 +152,11 @@ def _read_cache() -> dict[str, Any]:
         data = json.loads(cache_path().read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
-    return data if isinstance(data, dict) and data.get("format") == FORMAT else {}
+    return data if isinstance(data, dict) and data.get("format") == SPEED_TABLE_FORMAT else {}
 
 
 def _write_cache(table: SpeedTable) -> None:
-    data = _read_cache() or {"format": FORMAT, "tables": {}}
+    data = _read_cache() or {"format": SPEED_TABLE_FORMAT, "tables": {}}
     data.setdefault("tables", {})[table.key] = table.to_dict() | {"cached": False}
     path = cache_path()
     try:

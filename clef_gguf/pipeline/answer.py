@@ -7,13 +7,14 @@ of the float64 value of each fp32 probability. Confidence is p_max (Cloudflare's
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from clef_gguf.core import errors
+from clef_gguf.core.questions import Part, winner
 from clef_gguf.pipeline.request import Question, Request
 
 
@@ -35,21 +36,27 @@ def _r(p: np.floating) -> float:
     return round(float(p), 4)
 
 
+# What each part of an answer (core.questions.Part) is, from the question, its options in report order
+# with their probabilities, and the index of the one that won there.
+Ordered = list[tuple[str, np.float32]]
+PARTS: dict[Part, Callable[[Question, Ordered, int], Any]] = {
+    Part.FIRST: lambda q, ordered, won: _r(ordered[0][1]),
+    Part.WINNER: lambda q, ordered, won: ordered[won][0],
+    Part.EXPECTED_LEVEL: lambda q, ordered, won: round(sum(i * float(p) for i, (_, p) in enumerate(ordered)), 4),
+    Part.CONFIDENCE: lambda q, ordered, won: _r(ordered[won][1]),
+    Part.LEGEND: lambda q, ordered, won: {str(i): desc for i, desc in enumerate(q.legend)},
+    Part.PROBABILITIES: lambda q, ordered, won: {key: _r(p) for key, p in ordered},
+}
+
+
 def answer(question: Question, probs: np.ndarray) -> dict:
-    """One answer; ``probs`` follow the prompt's option order."""
-    by_id = {opt.id: p for opt, p in zip(question.options, probs)}
-    if question.type == "noul":
-        return {"type": "noul", "noul": _r(by_id["true"])}
-    if question.type == "choice":
-        ordered = [(key, by_id[key]) for key in question.report_order]
-        best = max(ordered, key=lambda kv: kv[1])  # first of tied maxima, in request order
-        return {"type": "choice", "choice": best[0], "confidence": _r(best[1]),
-                "probabilities": {key: _r(p) for key, p in ordered}}
-    levels = np.asarray(probs, dtype=np.float32)
-    expected = sum(i * float(p) for i, p in enumerate(levels))
-    return {"type": "score", "score": round(expected, 4), "confidence": _r(levels.max()),
-            "legend": {str(i): desc for i, desc in enumerate(question.legend)},
-            "probabilities": {str(i): _r(p) for i, p in enumerate(levels)}}
+    """One answer, shaped by the question type's registry entry; ``probs`` (fp32) follow the prompt's
+    option order. ``InvalidQuestionType`` for a type nobody registered."""
+    entry = question.question_type
+    by_id = {opt.id: p for opt, p in zip(question.options, np.asarray(probs, dtype=np.float32))}
+    ordered = [(key, by_id[key]) for key in question.report_order]
+    won = winner([p for _, p in ordered])  # the first of tied maxima, in request order
+    return {"type": entry.name, **{item.key: PARTS[item.part](question, ordered, won) for item in entry.answer}}
 
 
 @dataclass(frozen=True)

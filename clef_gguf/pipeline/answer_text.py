@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from clef_gguf.core.questions import question_type
+
 SHOWN_CHARS = 60  # a longer span is shown cut, with its character range to find it whole
 
 
@@ -12,7 +14,7 @@ def as_text(response: dict[str, Any]) -> str:
     lines = []
     evidence = response.get("evidence", {})
     for qid, item in response["answers"].items():
-        lines.append(f"{qid}: {_answer(item)}")
+        lines.append(f"{qid}: {_answer(qid, item)}")
         block = evidence.get("questions", {}).get(qid)
         if block is not None:
             lines += _evidence(block)
@@ -24,12 +26,9 @@ def as_text(response: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _answer(item: dict[str, Any]) -> str:
-    if item["type"] == "noul":
-        return f"noul p(true)={item['noul']:.4f}"
-    if item["type"] == "choice":
-        return f"{item['choice']} (confidence {item['confidence']:.4f})"
-    return f"score {item['score']:.4f} (confidence {item['confidence']:.4f})"
+def _answer(qid: str, item: dict[str, Any]) -> str:
+    """The answer's line: its type's ``text`` (core.questions) over its keys."""
+    return question_type(item.get("type"), field=f"answers.{qid}.type").text.format_map(item)
 
 
 def _evidence(block: dict[str, Any]) -> list[str]:

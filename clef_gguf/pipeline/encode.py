@@ -51,6 +51,21 @@ def render(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
 
 
+def bounded_encoding(tokenizer: tokenizers.Tokenizer, text: str, room: int) -> tuple[tokenizers.Encoding, bool]:
+    """``(encoding, exact)``: ``text`` tokenized whole (``exact``) or, when it is longer than ``room``
+    tokens, a prefix of it whose first ``room`` tokens are those of the whole text (``CUT_MARGIN``
+    more are seen past them). The prefix grows 4x a try from ~4 characters a token, so a huge text
+    costs a bounded prefix. The state's ids (``Encoder.state_ids``) and their characters
+    (``evidence_spans.state_offsets``) both come from here, so they always agree."""
+    chars = max(4096, 4 * (room + CUT_MARGIN))  # ~4 characters a token in most text
+    while len(text) > chars:
+        encoding = tokenizer.encode(text[:chars], add_special_tokens=False)
+        if len(encoding.ids) > room + CUT_MARGIN:
+            return encoding, False
+        chars *= 4
+    return tokenizer.encode(text, add_special_tokens=False), True
+
+
 def option_text(option_id: str, description: Any) -> str:
     obj = {"option_id": option_id}
     if description is not None:
@@ -129,13 +144,8 @@ class Encoder:
         """``(ids, exact)``: the state's ids, all of them (``exact``) or, for a state longer than
         ``room`` tokens, a prefix whose first ``room`` ids are those of the whole text. Only a
         bounded prefix of a huge state is tokenized: its tail would be refused or cut anyway."""
-        chars = max(4096, 4 * (room + CUT_MARGIN))  # ~4 characters a token in most text
-        while len(text) > chars:
-            ids = self.tokenizer.encode(text[:chars], add_special_tokens=False).ids
-            if len(ids) > room + CUT_MARGIN:
-                return ids, False
-            chars *= 4
-        return self.tokenizer.encode(text, add_special_tokens=False).ids, True
+        encoding, exact = bounded_encoding(self.tokenizer, text, room)
+        return encoding.ids, exact
 
     def _question_pieces(self, index: int, q: Question, out: list[int],
                          spans: list[tuple[int, int]], opt_spans: list[tuple[int, int]]) -> None:

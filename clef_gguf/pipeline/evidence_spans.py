@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 
 from clef_gguf.core import errors
-from clef_gguf.pipeline.encode import CUT_MARGIN, Encoded, Encoder, render
+from clef_gguf.core.questions import winner
+from clef_gguf.pipeline.encode import Encoded, Encoder, bounded_encoding, render
 
 # A word, or a run of punctuation: the units that spans are merged from.
 UNIT = re.compile(r"\w+|[^\w\s]+")
@@ -106,13 +107,7 @@ def state_offsets(encoder: Encoder, text: str, ids: np.ndarray) -> list[tuple[in
     """The character range of each of ``ids`` (the state tokens the prompt kept, the first of the
     text's own), tokenizing a bounded prefix of a long text as ``Encoder.state_ids`` does."""
     n = len(ids)
-    chars = max(4096, 4 * (n + CUT_MARGIN))
-    while True:
-        cut = text if len(text) <= chars else text[:chars]
-        encoding = encoder.tokenizer.encode(cut, add_special_tokens=False)
-        if cut is text or len(encoding.ids) > n + CUT_MARGIN:
-            break
-        chars *= 4
+    encoding, _ = bounded_encoding(encoder.tokenizer, text, n)
     if list(encoding.ids[:n]) != [int(i) for i in ids]:
         raise errors.InternalError("the state's tokens differ from the prompt's; no evidence can be placed",
                                    field="evidence")
@@ -166,10 +161,10 @@ def pictures(weights: np.ndarray, regions: Regions, grid: bool) -> list[dict[str
 
 
 @dataclass(frozen=True)
-class Placement:
-    """Where a state token's weight goes, worked out once per request: each (non-space character,
-    token) pair with the token's part per character, and the words (or punctuation runs) of the
-    characters the kept tokens cover."""
+class CharacterMap:
+    """Which characters each state token's weight is spread over, worked out once per request: each
+    (non-space character, token) pair with the token's part per character, and the words (or
+    punctuation runs) of the characters the kept tokens cover."""
 
     chars: np.ndarray  # int64: a non-space character of a token
     tokens: np.ndarray  # int64: that token
@@ -179,7 +174,7 @@ class Placement:
     length: int
 
     @classmethod
-    def of(cls, offsets: Sequence[tuple[int, int]], text: str) -> Placement:
+    def of(cls, offsets: Sequence[tuple[int, int]], text: str) -> CharacterMap:
         bounds = np.array(offsets, dtype=np.int64).reshape(-1, 2).clip(0, len(text))
         lengths = np.maximum(bounds[:, 1] - bounds[:, 0], 0)
         tokens = np.repeat(np.arange(len(bounds)), lengths)
@@ -195,7 +190,7 @@ class Placement:
         return cls(chars, tokens, 1.0 / counts[tokens], starts, ends, len(text))
 
 
-def spans(weights: np.ndarray, regions: Regions, placement: Placement, layout: StateLayout,
+def spans(weights: np.ndarray, regions: Regions, characters: CharacterMap, layout: StateLayout,
           top: int) -> list[dict[str, Any]]:
     """The ``top`` state spans with the most attention, best first: each token's weight spread over
     its non-space characters, summed per word (or punctuation run); the best words taken in order as
@@ -206,11 +201,11 @@ def spans(weights: np.ndarray, regions: Regions, placement: Placement, layout: S
     start = regions.state[0]
     state = weights[start:regions.state[1]].astype(np.float64)
     total = float(state.sum())
-    per_char = np.bincount(placement.chars, weights=state[placement.tokens] * placement.parts,
-                           minlength=placement.length + 1)
+    per_char = np.bincount(characters.chars, weights=state[characters.tokens] * characters.parts,
+                           minlength=characters.length + 1)
     cumulative = np.concatenate([[0.0], np.cumsum(per_char)])
-    units = list(zip(placement.starts.tolist(), placement.ends.tolist()))
-    mass = cumulative[placement.ends] - cumulative[placement.starts]
+    units = list(zip(characters.starts.tolist(), characters.ends.tolist()))
+    mass = cumulative[characters.ends] - cumulative[characters.starts]
     chosen: set[int] = set()
     floor = STANDS_OUT * float(mass.mean()) if len(units) else 0.0
     for index in (int(i) for i in np.argsort(-mass, kind="stable")):
@@ -256,11 +251,11 @@ def _runs(chosen: set[int]) -> int:
 
 def chosen_options(question_options: Sequence[Sequence[str]], report_orders: Sequence[Sequence[str]],
                    probs: Sequence[np.ndarray]) -> list[int]:
-    """Each question's answered option, as an index in its prompt order (the first of tied maxima in
-    the order answers report them, as the answer does)."""
+    """Each question's answered option, as an index in its prompt order (``winner`` over the order answers
+    report them, as the answer does)."""
     out = []
     for ids, order, p in zip(question_options, report_orders, probs):
         by_id = dict(zip(ids, p))
-        best = max(order, key=lambda key: by_id[key])
+        best = order[winner([by_id[key] for key in order])]
         out.append(list(ids).index(best))
     return out

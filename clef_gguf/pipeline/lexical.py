@@ -16,13 +16,14 @@ import numpy as np
 import numpy.typing as npt
 
 from clef_gguf.core.errors import CorruptModel
+from clef_gguf.core.limits import MiB
 from clef_gguf.formats.gguf import ggml_to_float
 
 
 OUTPUT, TIED = "output.weight", "token_embd.weight"
 # Dequantized rows kept: the device policy's lexical-row budget for Clef-Flash (models/catalog.json)
 # holds 4,096 rows of the 9B's width, more than any request's options need.
-CACHE_BYTES = 64 << 20
+CACHE_BYTES = 64 * MiB
 
 
 class RowSource(Protocol):

@@ -15,20 +15,17 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import pydantic
 
 from clef_gguf.core import errors, refusals
-from clef_gguf.core.questions import CHOICE_OPTIONS, MAX_QUESTIONS, SCORE_LEVELS, TYPE_INDEX
+from clef_gguf.core.questions import MAX_QUESTIONS, Criteria, QuestionType, question_type, unknown_type
 from clef_gguf.pipeline.evidence import EvidenceSpec, parse_evidence
 from clef_gguf.pipeline.wire import QuestionSpec, SystemOneRequest
 
-NOUL_DEFAULTS = {
-    "true": "The proposition is true or the answer is yes.",
-    "false": "The proposition is false or the answer is no.",
-}
 # Deeper values cannot be rendered: Python's json (the reference's too) recurses per level and
 # stops near 1000; refusing earlier keeps the error a clear one.
 MAX_DEPTH = 512
@@ -116,15 +113,20 @@ class Option:
 @dataclass(frozen=True)
 class Question:
     id: str
-    type: str
+    type: str  # a registered type's name (core.questions)
     instruction: Any  # after the id fallback
     options: tuple[Option, ...]  # prompt order (choice: sorted by key)
     report_order: tuple[str, ...]  # option ids in the order answers report them
     legend: tuple[Any, ...] = ()  # score levels' raw descriptions
 
     @property
+    def question_type(self) -> QuestionType:
+        """The registry's entry for ``type``; ``InvalidQuestionType`` for a type nobody registered."""
+        return question_type(self.type, field=f"questions.{self.id}.type")
+
+    @property
     def type_index(self) -> int:
-        return TYPE_INDEX[self.type]
+        return self.question_type.row
 
 
 @dataclass(frozen=True)
@@ -173,8 +175,7 @@ def _from_pydantic(exc: pydantic.ValidationError, body: Any) -> errors.InvalidRe
     if kind == "missing":
         return errors.MissingField(f"'{where}' is required", field=where)
     if loc and loc[-1] == "type" and kind == "literal_error":
-        return errors.InvalidQuestionType(
-            f"type must be noul, choice, or score (got {first.get('input')!r})", field=where)
+        return unknown_type(first.get("input"), where)
     # Union errors list every branch; name the field and what was accepted instead.
     msg = first["msg"]
     if kind.startswith(("dict_type", "string_type", "list_type", "model_type")) or "union" in kind:
@@ -242,49 +243,70 @@ class _Policy:
         for key in model.model_extra or {}:
             self.ignored(f"{prefix}{key}", why)
 
-    def count(self, qid: str, n: int, limits: tuple[int, int], kind: str, where: str) -> None:
-        if not self.strict:
+    def count(self, qid: str, n: int, entry: QuestionType, where: str) -> None:
+        if not self.strict or entry.counts is None:
             return
-        lo, hi = limits
+        lo, hi = entry.counts
         if n < lo:
-            raise errors.TooFewOptions(refusals.too_few_options(qid, kind, n), field=where)
+            raise errors.TooFewOptions(refusals.too_few_options(qid, entry.name, n), field=where)
         if n > hi:
-            raise errors.TooManyOptions(refusals.too_many_options(qid, kind, n), field=where)
+            raise errors.TooManyOptions(refusals.too_many_options(qid, entry.name, n), field=where)
 
 
-def _choice_options(qid: str, criteria: Any, where: str,
-                    policy: _Policy) -> tuple[tuple[Option, ...], tuple[str, ...]]:
+# How each criteria rule (core.questions.Criteria) reads a question's criteria: (the options in prompt
+# order, the option ids in the order answers report them, the legend).
+Read = tuple[tuple[Option, ...], tuple[str, ...], tuple[Any, ...]]
+
+
+def _fixed_options(qid: str, entry: QuestionType, criteria: Any, where: str, policy: _Policy) -> Read:
+    """The type's own options; criteria (an optional object) override their default descriptions."""
+    defaults = dict(entry.fixed)
+    if criteria is None:
+        criteria = {}
+    if not isinstance(criteria, dict):
+        shape = ", ".join(f'"{oid}": ...' for oid in defaults)
+        raise errors.InvalidCriteria(f"{entry.name} criteria must be an object {{{shape}}} or omitted",
+                                     field=where)
+    for key in criteria:
+        if key not in defaults:
+            keys = " and ".join(f"'{oid}'" for oid in defaults)
+            policy.ignored(f"{where}.{key}", f"{entry.name} criteria use only the keys {keys}")
+    merged = {**defaults, **criteria}  # explicit null overrides the default (reference)
+    return tuple(Option(oid, merged[oid]) for oid in defaults), tuple(defaults), ()
+
+
+def _required(qid: str, criteria: Any, where: str) -> None:
+    if criteria is None:
+        raise errors.MissingField(f"{qid}: criteria must not be empty", field=where)
+    if not criteria:
+        raise errors.InvalidCriteria(f"{qid}: criteria must not be empty", field=where)
+
+
+def _named_options(qid: str, entry: QuestionType, criteria: Any, where: str, policy: _Policy) -> Read:
+    _required(qid, criteria, where)
     if not isinstance(criteria, dict):  # the reference crashes on a list here
         raise errors.InvalidCriteria(
-            "choice criteria must be an object {option_id: description}", field=where)
-    policy.count(qid, len(criteria), CHOICE_OPTIONS, "choice", where)
+            f"{entry.name} criteria must be an object {{option_id: description}}", field=where)
+    policy.count(qid, len(criteria), entry, where)
     if policy.strict and "" in criteria:
         raise errors.InvalidCriteria(f"{qid}: an option id is empty", field=where)
     # Prompt order is Python's str sort (code-point order), exactly as the reference.
     prompt = tuple(Option(key, criteria[key]) for key in sorted(criteria, key=str))
-    return prompt, tuple(criteria)
+    return prompt, tuple(criteria), ()
 
 
-def _score_options(qid: str, criteria: Any, where: str,
-                   policy: _Policy) -> tuple[tuple[Option, ...], tuple[Any, ...]]:
+def _level_options(qid: str, entry: QuestionType, criteria: Any, where: str, policy: _Policy) -> Read:
+    _required(qid, criteria, where)
     if not isinstance(criteria, list):  # the reference's legend lookup crashes on an object
         raise errors.InvalidCriteria(
-            "score criteria must be a list of level descriptions, lowest first", field=where)
-    policy.count(qid, len(criteria), SCORE_LEVELS, "score", where)
-    return tuple(Option(str(i), desc) for i, desc in enumerate(criteria)), tuple(criteria)
+            f"{entry.name} criteria must be a list of level descriptions, lowest first", field=where)
+    policy.count(qid, len(criteria), entry, where)
+    options = tuple(Option(str(i), desc) for i, desc in enumerate(criteria))
+    return options, tuple(o.id for o in options), tuple(criteria)
 
 
-def _noul_options(criteria: Any, where: str, policy: _Policy) -> tuple[Option, ...]:
-    if criteria is None:
-        criteria = {}
-    if not isinstance(criteria, dict):
-        raise errors.InvalidCriteria(
-            'noul criteria must be an object {"true": ..., "false": ...} or omitted', field=where)
-    for key in criteria:
-        if key not in NOUL_DEFAULTS:
-            policy.ignored(f"{where}.{key}", "noul criteria use only the keys 'true' and 'false'")
-    merged = {**NOUL_DEFAULTS, **criteria}  # explicit null overrides the default (reference)
-    return (Option("true", merged["true"]), Option("false", merged["false"]))
+READERS: dict[Criteria, Callable[[str, QuestionType, Any, str, _Policy], Read]] = {
+    Criteria.FIXED: _fixed_options, Criteria.NAMED: _named_options, Criteria.LEVELS: _level_options}
 
 
 def _question(qid: str, spec: QuestionSpec, policy: _Policy) -> Question:
@@ -295,19 +317,9 @@ def _question(qid: str, spec: QuestionSpec, policy: _Policy) -> Question:
     instruction = spec.instructions
     if instruction is None or instruction == "":
         instruction = qid
-    crit_where = f"{where}.criteria"
-    if spec.type == "noul":
-        options = _noul_options(spec.criteria, crit_where, policy)
-        return Question(qid, "noul", instruction, options, ("true", "false"))
-    if spec.criteria is None:
-        raise errors.MissingField(f"{qid}: criteria must not be empty", field=crit_where)
-    if not spec.criteria:
-        raise errors.InvalidCriteria(f"{qid}: criteria must not be empty", field=crit_where)
-    if spec.type == "choice":
-        options, order = _choice_options(qid, spec.criteria, crit_where, policy)
-        return Question(qid, "choice", instruction, options, order)
-    options, legend = _score_options(qid, spec.criteria, crit_where, policy)
-    return Question(qid, "score", instruction, options, tuple(o.id for o in options), legend)
+    entry = question_type(spec.type, field=f"{where}.type")
+    options, report_order, legend = READERS[entry.criteria](qid, entry, spec.criteria, f"{where}.criteria", policy)
+    return Question(qid, entry.name, instruction, options, report_order, legend)
 
 
 def parse_request(body: Any, *, truncate_state: bool = False, strict: bool = False,

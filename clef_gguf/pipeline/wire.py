@@ -10,8 +10,9 @@ the window, instructions that render to no tokens) is refused by the parser only
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, GetJsonSchemaHandler
@@ -19,7 +20,12 @@ from pydantic.fields import FieldInfo
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import core_schema as cs
 
-from clef_gguf.core.questions import MAX_QUESTIONS
+from clef_gguf.core.questions import MAX_QUESTIONS, QUESTION_TYPES, TYPES, Criteria, QuestionType
+
+if TYPE_CHECKING:
+    TypeName = str
+else:
+    TypeName = Literal[QUESTION_TYPES]  # a registered question type's name
 
 IGNORED = ("other keys are ignored and named in the response's warnings; options.strict "
            "refuses them")
@@ -42,46 +48,41 @@ class DocumentedAs:
 
 
 # ---------------------------------------------------------------- the contract, per question type
-class NoulCriteria(BaseModel):
-    model_config = ConfigDict(extra="allow", json_schema_extra={"description": IGNORED})
-
-    true: Any = Field(None, description="what true means (default: the reference's)")
-    false: Any = Field(None, description="what false means (default: the reference's)")
-
-
-class NoulQuestion(BaseModel):
-    """criteria: optional descriptions of the answers true and false"""
-
-    model_config = ConfigDict(extra="allow", title="noul")
-
-    type: Literal["noul"]
-    instructions: Any = Field(None, description="any JSON value (a string is used raw); the "
-                                                "question id when missing, null or \"\"")
-    criteria: NoulCriteria | None = None
+# Each registered type's request model (NoulQuestion, ChoiceQuestion, ...), generated from its entry in
+# ``core.questions``: its criteria shown as its ``Criteria`` rule reads them.
+def _fixed_criteria(entry: QuestionType) -> tuple[Any, Any]:
+    fields: dict[str, Any] = {
+        oid: (Any, Field(None, description=f"what {oid} means (default: the reference's)")) for oid, _ in entry.fixed}
+    model = pydantic.create_model(
+        f"{entry.name.capitalize()}Criteria",
+        __config__=ConfigDict(extra="allow", json_schema_extra={"description": IGNORED}), **fields)
+    return model | None, None
 
 
-class ChoiceQuestion(BaseModel):
-    """criteria: option id -> description (any JSON value), reported in request order;
-    options.strict: 2-255 options"""
-
-    model_config = ConfigDict(extra="allow", title="choice")
-
-    type: Literal["choice"]
-    instructions: Any = Field(None, description="as for noul")
-    criteria: dict[str, Any] = Field(min_length=1)
+CRITERIA: dict[Criteria, Callable[[QuestionType], tuple[Any, Any]]] = {
+    Criteria.FIXED: _fixed_criteria,
+    Criteria.NAMED: lambda entry: (dict[str, Any], Field(min_length=1)),
+    Criteria.LEVELS: lambda entry: (list[Any], Field(min_length=1)),
+}
+INSTRUCTIONS = "any JSON value (a string is used raw); the question id when missing, null or \"\""
 
 
-class ScoreQuestion(BaseModel):
-    """criteria: level descriptions, lowest first; options.strict: 2-10 levels"""
+def _question_model(entry: QuestionType) -> type[BaseModel]:
+    first = entry is TYPES[0]
+    return pydantic.create_model(
+        f"{entry.name.capitalize()}Question", __config__=ConfigDict(extra="allow", title=entry.name),
+        __doc__=entry.criteria_doc, type=(literal(entry.name), ...),
+        instructions=(Any, Field(None, description=INSTRUCTIONS if first else f"as for {TYPES[0].name}")),
+        criteria=CRITERIA[entry.criteria](entry))
 
-    model_config = ConfigDict(extra="allow", title="score")
 
-    type: Literal["score"]
-    instructions: Any = Field(None, description="as for noul")
-    criteria: list[Any] = Field(min_length=1)
+def literal(*names: str) -> Any:
+    """``Literal[names]`` of names known at run time (the registry's)."""
+    return Literal.__getitem__(names)
 
 
-Question = Annotated[NoulQuestion | ChoiceQuestion | ScoreQuestion, Field(discriminator="type")]
+QUESTION_MODELS = tuple(_question_model(entry) for entry in TYPES)
+Question: Any = Annotated[Union[QUESTION_MODELS], Field(discriminator="type")]
 Questions = Annotated[dict[str, Question], Field(
     min_length=1, description="question id -> question; order matters; options.strict: at most "
                               f"{MAX_QUESTIONS}")]
@@ -129,7 +130,7 @@ class QuestionSpec(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    type: Literal["noul", "choice", "score"]
+    type: TypeName
     instructions: Any = None
     criteria: dict[str, Any] | list[Any] | None = None
 

@@ -3,6 +3,10 @@
 Both give the pipeline the same three things: lexical rows (``rows(ids)``, ``hidden_size``,
 ``vocab_size``), a tower (``forward(ids, prefix, state, cache)``, ``n_embd``...) and a label
 for the provenance; everything after them (head, answer, API, CLI, server) is shared.
+
+:data:`BACKENDS` is the one registry of backends, by the name ``--backend`` and a model's files use:
+the choices ``--backend`` accepts, the errors, the provenance label (``info["backend"]``), which
+settings apply (:func:`refuse_llama_settings`) and what ``tune`` measures all read it.
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ if TYPE_CHECKING:
     from clef_gguf.pipeline.lexical import RowStore
     from clef_gguf.tower.protocol import LanguageTower
 
-BACKENDS = model_files.BACKENDS
-RUNNERS = {"gguf": "llama-cpp-python", "nvfp4": "torch-nvfp4"}
+# The settings of llama.cpp towers: given for a backend that does not run in llama.cpp, they are refused.
+LLAMA_ONLY = ("decode_chunk", "flash_attention", "pack_size")
 
 
 def choose(asked: str | None, found: model_files.ModelFiles) -> str:
@@ -32,12 +36,20 @@ def choose(asked: str | None, found: model_files.ModelFiles) -> str:
         return found.backend
     if asked not in BACKENDS:
         raise errors.InvalidSetting(f"backend must be one of auto, {', '.join(BACKENDS)} (got {asked!r})",
-                                  field="backend")
+                                    field="backend")
     if asked != found.backend:
-        what = {"gguf": "a GGUF tower", "nvfp4": "a compressed-tensors NVFP4 checkpoint"}
-        raise errors.InvalidSetting(f"--backend {asked} needs {what[asked]}, but {found.tower} is "
-                                  f"{what[found.backend]}", field="backend")
+        raise errors.InvalidSetting(f"--backend {asked} needs {BACKENDS[asked].files}, but {found.tower} is "
+                                    f"{BACKENDS[found.backend].files}", field="backend")
     return asked
+
+
+def refuse_llama_settings(settings: LoadSettings, tower: Path) -> None:
+    """A llama.cpp setting given for a tower that does not run in llama.cpp is refused, not ignored."""
+    for name in LLAMA_ONLY:
+        if getattr(settings, name) != tuning.UNSET[name]:
+            flag = name.replace("_", "-")
+            raise errors.InvalidSetting(f"--{flag} sets how llama.cpp runs a GGUF tower; {tower.name} is not "
+                                        f"one (leave it unset)", field=name)
 
 
 def gpu_layers(asked: int | str | None, tower: Path, n_embd: int, context: int) -> int | str:
@@ -72,8 +84,7 @@ def device_free_memory(offloaded: bool) -> int:
 class Opened:
     """A model's tower files, opened far enough to check them; the tower itself loads last."""
 
-    backend: str
-    label: str  # what the vocab is called in errors: "GGUF" or "checkpoint"
+    backend: str  # a name of BACKENDS
     lexical: RowStore
     quant: str
     # the settings -> the tower, and the run settings it was loaded with (given, tuned or default)
@@ -81,8 +92,13 @@ class Opened:
     model_hash: Callable[[], str]
 
     @property
+    def label(self) -> str:
+        """What the vocabulary is called in errors: "GGUF" or "checkpoint"."""
+        return BACKENDS[self.backend].label
+
+    @property
     def runner(self) -> str:
-        return RUNNERS[self.backend]
+        return BACKENDS[self.backend].runner
 
 
 def open_gguf_tower(found: model_files.ModelFiles) -> Opened:
@@ -113,7 +129,7 @@ def open_gguf_tower(found: model_files.ModelFiles) -> Opened:
                           n_batch=run.decode_chunk, attention=run.attention, pack=run.pack,
                           free_memory=device_free_memory), run
 
-    return Opened("gguf", "GGUF", lexical, precision_label(reader), load,
+    return Opened("gguf", lexical, precision_label(reader), load,
                   lambda: found.sha256_of(found.tower))
 
 
@@ -127,7 +143,7 @@ def open_nvfp4_tower(found: model_files.ModelFiles) -> Opened:
     def load(settings: LoadSettings) -> tuple[LanguageTower, RunSettings]:
         from clef_gguf.tower.nvfp4.tower import NVFP4Tower
 
-        tuning.refuse_llama_settings(settings, found.tower)
+        refuse_llama_settings(settings, found.tower)
         run = tuning.for_tower(settings, None, None)  # tune measures llama.cpp towers only
         return NVFP4Tower.load(found.tower, n_ctx=settings.max_length, threads=settings.threads,
                                gpu_layers=settings.gpu_layers, dtype=settings.nvfp4_dtype), run
@@ -139,11 +155,26 @@ def open_nvfp4_tower(found: model_files.ModelFiles) -> Opened:
             digest.update(f"{path.name}:{found.sha256_of(path)}\n".encode())
         return digest.hexdigest()
 
-    return Opened("nvfp4", "checkpoint", lexical, checkpoint.scheme.name, load, model_hash)
+    return Opened("nvfp4", lexical, checkpoint.scheme.name, load, model_hash)
 
 
-OPENERS = {"gguf": open_gguf_tower, "nvfp4": open_nvfp4_tower}
+@dataclass(frozen=True)
+class Backend:
+    """One way to run a tower, everything the rest of the code asks about it."""
+
+    runner: str  # the provenance label: ``info["backend"]``, the audit's ``backend``
+    files: str  # what its tower files are, in errors
+    label: str  # what its vocabulary is called in errors
+    llama: bool  # runs in llama.cpp: LLAMA_ONLY's settings apply, and ``tune`` measures it
+    opener: Callable[[model_files.ModelFiles], Opened]  # the files -> the tower, not loaded yet
+
+
+# The registry: a new backend is one row here (and its files recognised by ``formats.files``).
+BACKENDS: dict[str, Backend] = {
+    "gguf": Backend("llama-cpp-python", "a GGUF tower", "GGUF", True, open_gguf_tower),
+    "nvfp4": Backend("torch-nvfp4", "a compressed-tensors NVFP4 checkpoint", "checkpoint", False, open_nvfp4_tower),
+}
 
 
 def open_tower_files(found: model_files.ModelFiles, backend: str | None) -> Opened:
-    return OPENERS[choose(backend, found)](found)
+    return BACKENDS[choose(backend, found)].opener(found)

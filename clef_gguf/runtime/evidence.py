@@ -1,6 +1,10 @@
 """The ``"evidence"`` block of a response: the head's attention as spans of the state, and, in occlusion
 mode, the decision re-run with each span taken out.
 
+One word per meaning: to *occlude* is the act (``occlude``: take each span out of the state and decide
+again); *occluded* names its result (an occluded prompt: the original with one span's characters taken
+out, encoded again by ``reencode``).
+
 ``explain`` is what ``stages.decision`` calls with the probabilities and the recorded attention. What the
 numbers mean, and what they do not: docs/evidence.md.
 """
@@ -41,7 +45,7 @@ def explain(model: Model, prepared: Prepared, probs: list[np.ndarray], attention
     layout = spans.state_layout(request.state)
     regions = spans.Regions.of(enc)
     offsets = spans.state_offsets(model.encoder, layout.text, enc.ids[regions.state[0]:regions.state[1]])
-    placement = spans.Placement.of(offsets, layout.text)
+    characters = spans.CharacterMap.of(offsets, layout.text)
     owner = [q for q, count in enumerate(enc.option_counts) for _ in range(count)]
     rows = attention.option_rows(owner).numpy()
     ids = [[o.id for o in q.options] for q in request.questions]
@@ -50,7 +54,7 @@ def explain(model: Model, prepared: Prepared, probs: list[np.ndarray], attention
 
     def one(row: np.ndarray) -> dict[str, Any]:
         item: dict[str, Any] = {"shares": spans.shares(row, regions),
-                                "spans": spans.spans(row, regions, placement, layout, spec.top)}
+                                "spans": spans.spans(row, regions, characters, layout, spec.top)}
         if regions.runs:
             item["pictures"] = spans.pictures(row, regions, spec.grid)
         return item
@@ -69,11 +73,11 @@ def explain(model: Model, prepared: Prepared, probs: list[np.ndarray], attention
 
 def occlude(model: Model, prepared: Prepared, probs: list[np.ndarray], chosen: list[int],
             questions: dict[str, Any], text: str) -> int:
-    """Re-run the decision once per distinct span (the state with that span's characters taken out)
-    and write each span's ``delta_p`` (the chosen option's probability after minus before) and, when
-    the answer changes, ``top_option``. Returns the number of re-runs."""
+    """Re-run the decision once per distinct span on its occluded prompt (the state with that span's
+    characters taken out) and write each span's ``delta_p`` (the chosen option's probability after
+    minus before) and, when the answer changes, ``top_option``. Returns the number of re-runs."""
     ranges = sorted({(s["start"], s["end"]) for block in questions.values() for s in _all_spans(block)})
-    encoded = {r: occluded(model, prepared, text[:r[0]] + text[r[1]:]) for r in ranges}
+    encoded = {r: reencode(model, prepared, text[:r[0]] + text[r[1]:]) for r in ranges}  # the occluded prompts
     original = prepared.encoded
     shared = {r: _shared_state(original, enc) for r, enc in encoded.items()}
     # The original prompt is decoded once in segments ending where each span's tokens begin, with a
@@ -107,7 +111,7 @@ def _spans_with_option(block: dict[str, Any], ids: list[str], chosen: int) -> li
     return out
 
 
-def occluded(model: Model, prepared: Prepared, state: str) -> Encoded:
+def reencode(model: Model, prepared: Prepared, state: str) -> Encoded:
     """``prepared``'s prompt with ``state`` (text) as the state, the rest and the pictures as they were."""
     enc = prepared.encoded
     request = dataclasses.replace(prepared.request, state=state, evidence=None)

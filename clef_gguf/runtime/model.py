@@ -66,11 +66,38 @@ class Clef:
     @classmethod
     def load(cls, model: str | Path | None = None, *, adapters: Adapters | None = None,
              precision: str | None = None, **settings: Any) -> Clef | Models[Clef]:
-        """A model (``model`` and the other ``LoadSettings`` fields as keywords: ``threads``,
-        ``max_length``, ``head_dtype``, ``calibration``...). Without ``adapters``, the ``Clef``; with
-        them, the ``Models`` of the base and its fine-tunes (one tower whatever their number):
-        ``decide`` routes by a request's ``model``, ``models[name]`` is one that answers as itself.
-        ``precision`` is ``head_dtype``'s earlier name."""
+        """Load a model: its files checked against each other, then its tower, head and tokenizer.
+
+        Args:
+            model: a converted model directory, a ``.gguf`` beside its head files, or a catalog name
+                (``"clef-flash:Q4_K_M"``, ``"clef-flash:auto"``: pulled on first use). None: the
+                files given one by one (``gguf=``, ``head=``, ``head_config=``, ``tokenizer=``).
+            adapters: fine-tunes to serve on the same tower: one fine-tune directory, or a
+                ``{name: directory}`` mapping; their number adds no tower.
+            precision: ``head_dtype``'s earlier name; give one of the two.
+            **settings: any other ``LoadSettings`` field (``threads``, ``max_length``, ``gpu_layers``,
+                ``head_dtype``, ``calibration``, ``backend``, ``state_cache_mb``, ``strict``...).
+
+        Returns:
+            Without ``adapters``, the ``Clef``. With them, the ``Models`` of the base and its
+            fine-tunes: its ``decide`` routes by a request's ``model``, and ``models[name]`` is one
+            ``Clef`` that answers as itself.
+
+        Raises:
+            InvalidSetting: an unknown keyword, a value out of range, or a setting these files cannot
+                take (``backend="nvfp4"`` for a GGUF, a llama.cpp setting for an NVFP4 checkpoint...).
+            ModelNotFound: no model directory, file or catalog name ``model`` names.
+            CorruptModel: a file that cannot be read as what it should be.
+            HeadMismatch: head files that do not fit the tower (another width, vocabulary, release).
+            AdapterMismatch: a fine-tune made on another base, size or architecture.
+            PinMismatch: the Hub no longer serves what a catalog source's first pull pinned.
+            NoQuantFits: ``:auto`` where no quant of the family fits this machine.
+            CalibrationMismatch: a ``calibration`` file fitted on other weights, template or head.
+            CorruptCalibration: a ``calibration`` file that cannot be read.
+            MissingDependency: the nvfp4 backend without its extra (``pip install 'clef-gguf[nvfp4]'``).
+
+        Every one is a ``ClefError``; the file errors derive from ``ModelLoadError``.
+        """
         models = cls.from_settings(LoadSettings.of(model=model, adapters=adapters, precision=precision, **settings))
         return models if adapters is not None else models.default_model
 
@@ -112,8 +139,29 @@ class Clef:
     # ------------------------------------------------------------ one request
     def prepare(self, request: Any, *, truncate_state: bool = False, strict: bool | None = None,
                 media_policy: MediaPolicy | None = None) -> Prepared:
-        """Validate and tokenize ``request`` (and read and process its images and videos, from the
-        sources ``media_policy`` allows: None, any path or URL, as the reference reads them)."""
+        """Validate and tokenize a request, without running the model: cheap, so a server refuses bad
+        requests before queueing them.
+
+        Args:
+            request: a SystemOne request, as a decoded JSON object (a dict).
+            truncate_state: cut the state to fit ``max_length`` instead of refusing the request.
+            strict: refuse what the reference ignores (unknown keys...); None: as the model was loaded.
+            media_policy: where its images and videos may be read from; None: any path or URL, as the
+                reference reads them.
+
+        Returns:
+            The ``Prepared`` request (its token ids and spans, its pictures processed), for :meth:`run`.
+
+        Raises:
+            InvalidRequest: the request is not a valid one, as one of its subclasses naming the field:
+                ``InvalidJson``, ``MissingField``, ``UnknownField`` (strict), ``InvalidValue``,
+                ``InvalidQuestionType``, ``NoQuestions``, ``TooManyQuestions``, ``EmptyQuestionId``,
+                ``InvalidCriteria``, ``TooFewOptions``, ``TooManyOptions``, ``Unsupported``,
+                ``WrongCalibration``, ``UnsupportedMediaSource``, ``InvalidMedia``.
+            ContextTooLarge: the prompt is longer than ``max_length``: its state without
+                ``truncate_state``, or its questions and pictures alone.
+            MediaTooLarge: a picture or video over its byte or pixel budget.
+        """
         t0 = time.perf_counter()
         parsed = parse_request(request, truncate_state=truncate_state,
                                strict=self.strict if strict is None else strict,
@@ -128,6 +176,18 @@ class Clef:
         return Prepared(parsed, encoded, (time.perf_counter() - t0) * 1e3, self.name)
 
     def run(self, prepared: Prepared) -> answer.Decision:
+        """Run the model on a prepared request: tower, lexical rows, head, answer.
+
+        Args:
+            prepared: what :meth:`prepare` returned.
+
+        Returns:
+            The ``Decision``: its ``response`` (the SystemOne response dict) and the milliseconds of each
+            stage.
+
+        Raises:
+            InferenceError: the tower failed on this prompt (llama.cpp, or the nvfp4 backend).
+        """
         enc, t0 = prepared.encoded, time.perf_counter()
         hidden, cached = self.tower.forward(enc.ids, enc.prefix_tokens, enc.state_tokens, self.state_cache,
                                             enc.media)
@@ -135,7 +195,23 @@ class Clef:
 
     def decide(self, request: Any, *, truncate_state: bool = False, strict: bool | None = None,
                evidence: bool | dict[str, Any] | None = None) -> dict:
-        """``evidence``: the request's ``"evidence"`` key set from Python (docs/evidence.md)."""
+        """Answer one request: :meth:`run` of :meth:`prepare`.
+
+        Args:
+            request: a SystemOne request, as a decoded JSON object (a dict).
+            truncate_state: as :meth:`prepare`'s.
+            strict: as :meth:`prepare`'s.
+            evidence: the request's ``"evidence"`` key set from Python (docs/evidence.md): True, a
+                dict of its options, or False (none); None leaves the request's own key.
+
+        Returns:
+            The SystemOne response dict (``answers``, ``audit``, and ``warnings``/``evidence`` when
+            there are any).
+
+        Raises:
+            InvalidRequest, ContextTooLarge, MediaTooLarge: as :meth:`prepare`.
+            InferenceError: as :meth:`run`.
+        """
         request = with_evidence(request, evidence)
         return self.run(self.prepare(request, truncate_state=truncate_state, strict=strict)).response
 
@@ -163,9 +239,24 @@ class Clef:
     # ------------------------------------------------------------ many requests
     def decide_many(self, requests: Iterable[Any], *, truncate_state: bool = False,
                     window: int = engine.WINDOW, pack: int | None = None) -> Iterator[dict]:
-        """One response per request, in input order, as a generator; a request that fails gives
-        ``{"error": {code, message, field}}`` in its place (``engine.decide_many``: requests about one
-        state run one after another; ``pack`` prompts per llama_decode, see :meth:`run_many`)."""
+        """Answer many requests, read lazily; requests about one state run one after another, so its
+        ``[prefix][state]`` is decoded once.
+
+        Args:
+            requests: SystemOne requests (any iterable; read ``window`` at a time).
+            truncate_state: as :meth:`prepare`'s, for every request.
+            window: how many requests are read and ordered together.
+            pack: prompts per llama_decode (None: the tower's policy; 1: one at a time), as
+                :meth:`run_many`.
+
+        Returns:
+            A generator of one response dict per request, in input order. A request that fails gives
+            ``{"error": {"code", "message", "field"}}`` in its place, and the others are answered.
+
+        Raises:
+            InvalidValue: ``window`` or ``pack`` is not a whole number >= 1 (when the generator starts).
+            No request's own error is raised: each is its response.
+        """
         return engine.decide_many(self, requests, truncate_state=truncate_state, window=window, pack=pack)
 
     def pack_size(self, prepared: Prepared) -> int:

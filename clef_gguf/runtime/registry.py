@@ -157,6 +157,19 @@ class Models(Mapping[str, M]):
 
     def prepare(self, request: Any, *, truncate_state: bool = False, strict: bool | None = None,
                 media_policy: MediaPolicy | None = None) -> Prepared:
+        """``Clef.prepare`` by the model a request's ``model`` names (the default model without one).
+
+        Args:
+            request, truncate_state, strict, media_policy: as ``Clef.prepare``'s.
+
+        Returns:
+            The ``Prepared`` request, with the routing's warning first in its ``warnings`` when its
+            ``model`` named no model served here and the default answered.
+
+        Raises:
+            UnknownModel: strict, and ``model`` names no model served here.
+            InvalidRequest, ContextTooLarge, MediaTooLarge: as ``Clef.prepare``.
+        """
         model, warning = self.route(named_model(request), strict=strict)
         prepared = model.prepare(request, truncate_state=truncate_state, strict=strict,
                                  media_policy=media_policy)
@@ -171,6 +184,14 @@ class Models(Mapping[str, M]):
 
     # ------------------------------------------------------------ answering
     def run(self, prepared: Prepared) -> Decision:
+        """``Clef.run`` by the model that prepared ``prepared``.
+
+        Returns:
+            The ``Decision`` (the response and the time per stage).
+
+        Raises:
+            InferenceError: as ``Clef.run``.
+        """
         return self.answering(prepared).run(prepared)
 
     def pack_size(self, prepared: Prepared) -> int:
@@ -189,13 +210,35 @@ class Models(Mapping[str, M]):
 
     def decide(self, request: Any, *, truncate_state: bool = False, strict: bool | None = None,
                evidence: bool | dict[str, Any] | None = None) -> dict:
-        """As ``Clef.decide``, routed by the request's ``model``; ``evidence`` as there."""
+        """``Clef.decide``, routed by the request's ``model``.
+
+        Args:
+            request, truncate_state, strict, evidence: as ``Clef.decide``'s.
+
+        Returns:
+            The SystemOne response dict of the model that answered.
+
+        Raises:
+            UnknownModel: as :meth:`prepare`.
+            InvalidRequest, ContextTooLarge, MediaTooLarge, InferenceError: as ``Clef.decide``.
+        """
         request = with_evidence(request, evidence)
         return self.run(self.prepare(request, truncate_state=truncate_state, strict=strict)).response
 
     def decide_many(self, requests: Iterable[Any], *, truncate_state: bool = False,
                     window: int = engine.WINDOW, pack: int | None = None) -> Iterator[dict]:
-        """As ``Clef.decide_many``, each request routed by its ``model``."""
+        """``Clef.decide_many``, each request routed by its ``model``.
+
+        Args:
+            requests, truncate_state, window, pack: as ``Clef.decide_many``'s.
+
+        Returns:
+            A generator of one response dict per request, in input order; a failed request (an
+            ``unknown_model`` refusal included) gives its ``{"error": ...}`` in its place.
+
+        Raises:
+            InvalidValue: as ``Clef.decide_many``.
+        """
         return engine.decide_many(self, requests, truncate_state=truncate_state, window=window, pack=pack)
 
     def probabilities(self, request: Any, *, truncate_state: bool = False) -> list[np.ndarray]:

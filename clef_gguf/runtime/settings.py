@@ -4,14 +4,14 @@
 are generated from (``add_arguments`` / ``from_args``: decide, serve, batch, eval, calibrate, bench,
 parity), and what the Ray engines ship to each actor or replica (``for_workers``), so a flag cannot be
 mapped by hand in one place and forgotten in another. As llama-cpp-python's server settings: the
-object is the source, the argparse flags are derived from it.
+object is the source, the argparse flags are derived from it (``core.commandline.CommandSettings``, the
+one generator every command's settings share).
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
@@ -20,6 +20,7 @@ from pydantic import Field
 
 from clef_gguf.core import errors
 from clef_gguf.core import argtypes
+from clef_gguf.core.commandline import CommandSettings, Flag
 from clef_gguf.core.cpus import available_cpus
 from clef_gguf.core.limits import CONTEXT_WINDOW, DECODE_CHUNK, MAX_MB, VISION_CACHE_MB, VisionEngine
 from clef_gguf.formats.calibration import Calibration
@@ -32,25 +33,11 @@ Adapters = Union[PathLike, Mapping[str, PathLike]]
 Whole = Annotated[int, pydantic.Strict(), Field(ge=1)]  # True is not a thread count
 
 
-@dataclass(frozen=True)
-class Flag:
-    """How a setting appears on the command line, when its plain ``--name VALUE`` form is not enough."""
-
-    names: tuple[str, ...] = ()  # option strings; () -> ("--field-name",)
-    type: Callable[[str], Any] | None = None  # argparse's value type (refuses with exit 2)
-    action: str | None = None  # "store_true", "append"
-    metavar: str | None = None
-    to_setting: Callable[[Any], Any] | None = None  # the parsed value -> the field's value
-    help: str | None = None  # where the flag says it the other way round (--offline)
-    # argparse's default is None, so the field counts as given only when the flag is: the runtime may
-    # then fill it from what `clef-gguf tune` measured (the field's own default otherwise)
-    unless_given: bool = False
-
-
-class LoadSettings(pydantic.BaseModel):
+class LoadSettings(CommandSettings):
     """Everything ``Clef.load`` needs to open a model; frozen, picklable (the Ray paths ship it)."""
 
     model_config = pydantic.ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+    flag_group = "model"
 
     model: Annotated[PathLike | None, Flag(("--model", "-m"))] = Field(default=None, description=(
         "a converted model directory, a .gguf next to its head files, or a catalog name such as "
@@ -164,41 +151,11 @@ class LoadSettings(pydantic.BaseModel):
             raise errors.InvalidSetting(f"{name}: {first['msg'].lower()} (got {got!r})", field=name) from None
 
     # ------------------------------------------------------------ the command line, derived
-    @classmethod
-    def flag(cls, name: str) -> Flag:
-        return next((m for m in cls.model_fields[name].metadata if isinstance(m, Flag)), Flag())
-
-    @classmethod
-    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        """One flag per field, in a "model" group: its help, type and default from the field."""
-        group = parser.add_argument_group("model")
-        for name, spec in cls.model_fields.items():
-            flag = cls.flag(name)
-            kwargs: dict[str, Any] = {"dest": name, "help": flag.help or spec.description}
-            if flag.action:
-                kwargs["action"] = flag.action
-            else:
-                kwargs["type"] = flag.type
-            choices = _choices(spec.annotation)
-            if choices and not flag.type:
-                kwargs["choices"] = choices
-            if flag.metavar:
-                kwargs["metavar"] = flag.metavar
-            kwargs["default"] = False if flag.action == "store_true" else None \
-                if flag.action or flag.unless_given else spec.default
-            group.add_argument(*(flag.names or (f"--{name.replace('_', '-')}",)), **kwargs)
-
+    # (the flags: ``CommandSettings.add_arguments``, one per field, in a "model" group)
     @classmethod
     def from_args(cls, args: argparse.Namespace, **overrides: Any) -> LoadSettings:
         """The settings a command's parsed flags give (``add_arguments``), ``overrides`` on top."""
-        values = {}
-        for name in cls.model_fields:
-            value = getattr(args, name)
-            flag = cls.flag(name)
-            if flag.unless_given and value is None:
-                continue  # not given: the field's default, and not in model_fields_set
-            values[name] = flag.to_setting(value) if flag.to_setting is not None else value
-        return cls.of(**(values | overrides))
+        return cls.of(**(cls.values_from_args(args) | overrides))
 
     @classmethod
     def from_strings(cls, pairs: Mapping[str, str]) -> LoadSettings:
@@ -280,10 +237,3 @@ def parse_adapter_flags(values: list[str] | None) -> Adapters | None:
 
 def _absolute(value: PathLike) -> str:
     return str(Path(value).resolve()) if Path(value).exists() else str(value)
-
-
-def _choices(annotation: Any) -> list[str] | None:
-    args = getattr(annotation, "__args__", ())
-    if getattr(annotation, "__origin__", None) is Literal:
-        return [str(a) for a in args]
-    return None

@@ -11,17 +11,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from clef_gguf.core import errors
 from clef_gguf.core.limits import DECODE_CHUNK
 from clef_gguf.models import tuned
 from clef_gguf.runtime.settings import LoadSettings
 
-# --flash-attention -> the tower's attention setting (a name of tower.llama.ATTENTION; None: the weights' rule)
-ATTENTION = {"auto": None, "on": "flash-on", "off": "flash-off"}
+# --flash-attention's value -> the tower's attention setting (a name of tower.llama.ATTENTION; None: the
+# weights' rule)
+FLASH_ATTENTION: dict[str, str | None] = {"auto": None, "on": "flash-on", "off": "flash-off"}
 # What each setting is when the runtime chooses it (a tuned value may fill it then).
 UNSET: dict[str, object] = {"threads": None, "decode_chunk": None, "pack_size": None, "flash_attention": "auto",
                             "head_device": "auto"}
-LLAMA_ONLY = ("decode_chunk", "flash_attention", "pack_size")  # settings of llama.cpp towers
 
 
 @dataclass(frozen=True)
@@ -54,14 +53,5 @@ def for_tower(settings: LoadSettings, tower: Path | None, device: str | None) ->
     used = {name: value for name, value in chosen.items() if _open(settings, name, chosen)}
     merged = {name: used.get(name, getattr(settings, name)) for name in tuned.SETTINGS}
     return RunSettings(threads=merged["threads"], decode_chunk=merged["decode_chunk"] or DECODE_CHUNK,
-                       attention=ATTENTION[str(merged["flash_attention"])], pack=merged["pack_size"],
+                       attention=FLASH_ATTENTION[str(merged["flash_attention"])], pack=merged["pack_size"],
                        head_device=str(merged["head_device"]), head_dtype=str(merged["head_dtype"]), from_tune=used)
-
-
-def refuse_llama_settings(settings: LoadSettings, tower: Path) -> None:
-    """A llama.cpp setting given for a tower that does not run in llama.cpp is refused, not ignored."""
-    for name in LLAMA_ONLY:
-        if getattr(settings, name) != UNSET[name]:
-            flag = name.replace("_", "-")
-            raise errors.InvalidSetting(f"--{flag} sets how llama.cpp runs a GGUF tower; {tower.name} is not "
-                                        f"one (leave it unset)", field=name)

@@ -31,16 +31,17 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
-from clef_gguf.core import argtypes
 from clef_gguf.core.errors import ClefError, MissingField
-from clef_gguf.media.sources import INLINE_ONLY, MediaPolicy, add_file_roots_argument, served_sources
+from clef_gguf.media.sources import INLINE_ONLY, MediaPolicy
 from clef_gguf.server import schema
 from clef_gguf.server import ui as page
-from clef_gguf.server.guard import Guard, SitePolicy, allowed_host, cors_origin
+from clef_gguf.server.guard import Guard, SitePolicy, guard_rules
 from clef_gguf.server.http import RequestContext, listen
 from clef_gguf.server.jobs import JobRunner
 from clef_gguf.server.metrics import PATH as METRICS_PATH
 from clef_gguf.server.metrics import Metrics
+from clef_gguf.server.settings import (DEFAULT_MAX_BATCH, DEFAULT_MAX_BODY, DEFAULT_QUEUE_SIZE,
+                                       DEFAULT_TOKENIZE_WORKERS, ServerSettings)
 from clef_gguf.server.state import Served, loader_for
 from clef_gguf.server.workqueue import InferenceQueue, PrepareStage
 
@@ -49,21 +50,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("clef_gguf.server")
 
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 8080
-DEFAULT_QUEUE_SIZE = 64  # waiting requests: room for 32+ busy clients; past that 429 beats
-#                          letting latency grow without bound
-# A full 16k-token state is ~100 KB; images come inline, base64 (4/3 of their bytes): 32 MiB holds
-# a few phone photos or a batch of screenshots.
-DEFAULT_MAX_BODY = 32 * 1024 * 1024
-DEFAULT_MAX_BATCH = 256
-# Tokenizing is CPU work next to the model's own threads: two keep a burst of small requests
-# moving without taking the cores a forward pass needs.
-DEFAULT_TOKENIZE_WORKERS = 2
-OPEN_PATHS = frozenset({"/health"})  # liveness probes work without the key; nothing secret there
-# At SIGTERM, how long open requests may take to finish: one 16k-token pass of the 9B model on a
-# CPU takes minutes; cutting it short would throw that work away.
-DEFAULT_DRAIN_S = 300.0
 # At shutdown, how long to let a background load finish: leaving the interpreter while llama.cpp
 # or torch is mid-load in another thread aborts the process (seen: exit 134 on SIGTERM).
 LOAD_JOIN_S = 10
@@ -85,7 +71,8 @@ def create_app(model: Any, *, api_key: str | None = None,
     threads, and prepared requests waiting for the model. ``ui``: serve the playground page on
     ``GET /`` (``clef_gguf.server.ui``). ``media_policy``: where requests' images may come from
     (default: inline only, data: URIs and base64). ``site``: the Host names and page origins it
-    answers to beyond the loopback names on its own port (``server.guard``)."""
+    answers to beyond the loopback names on its own port (``server.guard``). The commands build these
+    keywords from their settings in one place, ``ServerSettings.app_kwargs``."""
     from fastapi import FastAPI
 
     from clef_gguf import __version__
@@ -107,12 +94,10 @@ def create_app(model: Any, *, api_key: str | None = None,
            max_batch=max_batch, media_policy=media_policy).register(app)
     add_metrics_route(app, metrics)
     app.openapi = lambda: openapi_document(app, max_batch)  # type: ignore[method-assign]
-    open_paths = (OPEN_PATHS | page.PATHS) if ui else OPEN_PATHS
+    rules = guard_rules(api_key=api_key, ui=ui, site=site)
     # Starlette runs the middleware added last first: the request id and log line wrap the guard.
-    app.add_middleware(Guard, api_key=api_key, open_paths=open_paths,
-                       page_paths=page.PATHS if ui else frozenset(), site=site,
-                       refusal_for=refusal_for)
-    app.add_middleware(RequestContext, quiet_paths=open_paths | {METRICS_PATH},
+    app.add_middleware(Guard, **rules, refusal_for=refusal_for)
+    app.add_middleware(RequestContext, quiet_paths=rules["open_paths"] | {METRICS_PATH},
                        observe=metrics.observe)
     return app
 
@@ -168,102 +153,54 @@ def openapi_document(app: FastAPI, max_batch: int) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- command line
-def add_arguments(p: argparse.ArgumentParser, *, page_flag: bool = True) -> None:
-    """``clef-gguf serve`` flags: the shared model flags plus the server's own (``page_flag``: whether
-    ``--no-ui`` is one; ``clef-gguf ui`` serves the page, so it has no such flag)."""
+def add_arguments(p: argparse.ArgumentParser, **overrides: Any) -> None:
+    """``clef-gguf serve`` flags: the shared model flags plus the server's own, generated from
+    ``ServerSettings`` (``overrides``: a command's variations of that declaration, as ``clef-gguf ui``'s;
+    ``CommandSettings.add_arguments``)."""
     from clef_gguf.runtime.flags import add_model_arguments
 
     add_model_arguments(p)
-    g = p.add_argument_group("server")
-    g.add_argument("--host", default=DEFAULT_HOST,
-                   help="address to bind (default 127.0.0.1: this machine only)")
-    g.add_argument("--port", type=argtypes.port, default=DEFAULT_PORT, help="port (default 8080)")
-    g.add_argument("--api-key", default=os.environ.get("CLEF_GGUF_API_KEY") or None,
-                   help="require the key on every endpoint but /health and the page, as "
-                        "'Authorization: Bearer KEY' or 'X-API-Key: KEY' (default: "
-                        "$CLEF_GGUF_API_KEY; prefer the variable, argv is visible in ps)")
-    g.add_argument("--allowed-host", action="append", type=allowed_host, metavar="NAME[:PORT]|*",
-                   default=None,
-                   help="also answer requests whose Host header names NAME (any port) or "
-                        "NAME:PORT; repeatable. Default: localhost, 127.0.0.1, [::1] and the "
-                        "address a client connected to, on this server's port; others get 421 "
-                        "host_not_allowed (a web page re-pointing its DNS name here cannot read "
-                        "answers). * answers any Host (not advised on a desktop)")
-    g.add_argument("--cors-origin", action="append", type=cors_origin, metavar="URL",
-                   default=None,
-                   help="let web pages on this origin (http://127.0.0.1:3000) call the API: "
-                        "their CORS preflights are answered and their requests run; repeatable. "
-                        "Default: none; a request from any other page's origin gets 403 "
-                        "origin_not_allowed, and a browser must post application/json")
-    if page_flag:
-        g.add_argument("--no-ui", action="store_true",
-                       help="do not serve the playground page on GET / (the API only)")
-    g.add_argument("--queue-size", type=argtypes.positive_int, default=DEFAULT_QUEUE_SIZE,
-                   help=f"requests that may wait for the model, and as many again for a "
-                        f"tokenizer thread; more get 429 + Retry-After "
-                        f"(default {DEFAULT_QUEUE_SIZE})")
-    g.add_argument("--tokenize-workers", type=argtypes.positive_int, default=DEFAULT_TOKENIZE_WORKERS,
-                   help=f"requests validated + tokenized at once, each in a thread of its own "
-                        f"(default {DEFAULT_TOKENIZE_WORKERS})")
-    g.add_argument("--drain-timeout", type=argtypes.seconds, default=DEFAULT_DRAIN_S, metavar="SECONDS",
-                   help=f"at SIGTERM / Ctrl-C, how long open requests may take to finish before "
-                        f"they are cut off (default {DEFAULT_DRAIN_S:g}: one 16k-token pass of "
-                        f"a 9B model on a CPU)")
-    g.add_argument("--max-body-bytes", type=argtypes.positive_int, default=DEFAULT_MAX_BODY,
-                   help=f"larger request bodies get 413 (default {DEFAULT_MAX_BODY})")
-    g.add_argument("--media-allow-url", action="append", metavar="HOST|PREFIX|*", default=None,
-                   help="let requests name images by URL on this host (example.com, .example.com for "
-                        "its subdomains too, host:port), under this URL prefix (https://cdn.example.com/"
-                        "img/), or * for any; repeatable. Default: no fetching (data: URIs and base64 "
-                        "only): a server that fetches what a request names is an SSRF hole")
-    add_file_roots_argument(g, "refused (unsupported_media_source)")
-    g.add_argument("--max-batch", type=argtypes.positive_int, default=DEFAULT_MAX_BATCH,
-                   help=f"inputs per batch request (default {DEFAULT_MAX_BATCH})")
-    g.add_argument("--engine", choices=("uvicorn", "ray-serve"), default="uvicorn",
-                   help="uvicorn (default): this process; ray-serve: --replicas Ray Serve "
-                        "replicas of this app, one model copy each, --threads threads each "
-                        "(Ray from $RAY_ADDRESS, else a private one; pip install 'clef-gguf[ray]')")
-    g.add_argument("--replicas", type=argtypes.positive_int, default=1,
-                   help="with --engine ray-serve: model replicas (default 1)")
+    ServerSettings.add_arguments(p, **overrides)
 
 
-def run(args: argparse.Namespace, sock: socket.socket | None = None) -> int:
+def run(args: argparse.Namespace, sock: socket.socket | None = None,
+        settings: ServerSettings | None = None) -> int:
     """Serve until Ctrl-C / SIGTERM (exit 0); a model that fails to load raises its ClefError. ``sock``:
-    the listening socket already bound to ``--host``/``--port`` (else bound here, before the model loads)."""
+    the listening socket already bound to the settings' host and port (else bound here, before the model
+    loads); ``settings``: the server's (else those the flags and the environment give)."""
     import uvicorn
 
     from clef_gguf.runtime.devices import check_head_device
     from clef_gguf.runtime.flags import load_model
 
+    settings = settings or ServerSettings.from_args(args)  # a bad flag or variable: refused before anything
+    app_kwargs = settings.app_kwargs()  # a --media-allow-files DIR that is no directory: refused here too
     if args.model is None and args.gguf is None:  # fail before binding, not in the background
         raise MissingField("give --model (a model directory or catalog name) or --gguf with "
                            "its head files", field="model")
     check_head_device(args.head_device)  # a head device this torch cannot give: no server at all
     # the address before the model: a taken port is an error now, not after minutes of loading
-    sock = sock or listen(args.host, args.port)
+    sock = sock or listen(settings.host, settings.port)
     for name in ("clef_gguf.server", "uvicorn.error"):  # the per-request lines and startup
         logging.getLogger(name).setLevel(logging.INFO)
-    if args.engine == "ray-serve":
+    if settings.engine == "ray-serve":
         from clef_gguf.server import ray_serve
 
         sock.close()  # Ray Serve's proxy binds it itself
-        return ray_serve.run(args, create_app)
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        return ray_serve.run(settings.onto(args), create_app)  # the flags as the settings resolved them
+    if not settings.loopback_only and not settings.api_key:
         log.warning("listening on %s without --api-key: anyone who can reach this port can use "
-                    "the model", args.host)
+                    "the model", settings.host)
     holder: dict[str, Any] = {}
 
     def load_failed(_error: ClefError) -> None:
         holder["server"].should_exit = True  # polled by uvicorn's main loop; thread-safe flag
 
-    app = create_app(lambda: load_model(args), api_key=args.api_key, queue_size=args.queue_size,
-                     max_body_bytes=args.max_body_bytes, max_batch=args.max_batch,
-                     on_load_error=load_failed, tokenize_workers=args.tokenize_workers,
-                     ui=not args.no_ui, media_policy=served_sources(args),
-                     site=SitePolicy.from_args(args))
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None,
+    app = create_app(lambda: load_model(args), on_load_error=load_failed, **app_kwargs)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None,
                             access_log=False,  # our own line per request replaces it
-                            timeout_graceful_shutdown=args.drain_timeout)
+                            # uvicorn annotates it int but waits a float number of seconds
+                            timeout_graceful_shutdown=settings.drain_timeout)  # type: ignore[arg-type]
     server = holder["server"] = uvicorn.Server(config)
     # uvicorn re-raises the signal that stopped it once it has shut down; with the default
     # handlers that would turn a clean SIGTERM into "killed by signal". Record it instead.

@@ -41,9 +41,11 @@ from typing import Any
 from clef_gguf.core import errors
 from clef_gguf.core.errors import ClefError
 from clef_gguf.server.http import error_response
+from clef_gguf.server.ui import PATHS as PAGE_PATHS
 
 log = logging.getLogger("clef_gguf.server")
 
+OPEN_PATHS = frozenset({"/health"})  # liveness probes work without the key; nothing secret there
 ANY = "*"
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "[::1]"})
 DEFAULT_PORTS = {"http": 80, "https": 443}
@@ -63,16 +65,11 @@ _HOST = re.compile(r"^(?P<name>\[[0-9a-f:.]+\]|[a-z0-9_.-]+)(?::(?P<port>[0-9]{1
 class SitePolicy:
     """What the server answers to beyond its defaults. ``allowed_hosts``: ``NAME`` (any port),
     ``NAME:PORT``, or ``*`` (no Host check at all); ``cors_origins``: ``scheme://host[:port]``
-    origins whose pages may call the API (their preflights answered, their requests run)."""
+    origins whose pages may call the API (their preflights answered, their requests run). ``serve``'s
+    ``--allowed-host`` and ``--cors-origin`` give them (``ServerSettings.site``)."""
 
     allowed_hosts: tuple[str, ...] = ()
     cors_origins: tuple[str, ...] = ()
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> SitePolicy:
-        """``serve``'s ``--allowed-host`` and ``--cors-origin`` (already checked by their types)."""
-        return cls(tuple(getattr(args, "allowed_host", None) or ()),
-                   tuple(getattr(args, "cors_origin", None) or ()))
 
     @property
     def any_host(self) -> bool:
@@ -140,6 +137,13 @@ def cors_origin(text: str) -> str:
 
 
 # ---------------------------------------------------------------- the middleware
+def guard_rules(*, api_key: str | None, ui: bool, site: SitePolicy) -> dict[str, Any]:
+    """:class:`Guard`'s keywords (but ``refusal_for``) for a server with or without its page: the one
+    place the open paths are decided, for the app and for a Ray Serve ingress in front of it."""
+    return {"api_key": api_key, "open_paths": (OPEN_PATHS | PAGE_PATHS) if ui else OPEN_PATHS,
+            "page_paths": PAGE_PATHS if ui else frozenset(), "site": site}
+
+
 class Guard:
     """Plain ASGI: Host, Origin and body type, CORS preflights, then the key (see the module)."""
 

@@ -9,7 +9,8 @@ what is a level rather than a count (queue depth, loaded models) is read when sc
 Series (all prefixed ``clef_``): ``requests_total{route,method,status}``, ``request_seconds{route}``,
 ``stage_seconds{stage}`` (prepare = validate + tokenize, queue = the wait for the model, then the
 model's own stages: vision, tower, lexical, head, answer), ``errors_total{code}``,
-``input_tokens_total``, ``cached_tokens_total``, ``queue_depth``, ``prepare_pending``, ``model_busy``,
+``input_tokens_total``, ``cached_tokens_total``, ``decisions_total``, ``queue_depth``, ``prepare_pending``,
+``model_busy``,
 ``model_info{name,backend,precision,default}`` and ``models_loaded``.
 """
 
@@ -52,6 +53,8 @@ class Metrics:
         self.input_tokens = Counter("clef_input_tokens", "prompt tokens of answered decisions", registry=r)
         self.cached_tokens = Counter("clef_cached_tokens", "prompt tokens restored from the state cache "
                                      "instead of decoded", registry=r)
+        self.decisions = Counter("clef_decisions", "requests answered with a decision (their usage counted "
+                                 "above)", registry=r)
         r.register(LiveState(served, queue, stage))
 
     def observe(self, scope: MutableMapping[str, Any], status: int, facts: Mapping[str, Any],
@@ -69,8 +72,15 @@ class Metrics:
             if name in STAGES and isinstance(ms, (int, float)):
                 self.stages.labels(STAGES[name]).observe(ms / 1000.0)
         usage = facts.get("usage") or {}
+        if usage:
+            self.decisions.inc()
         self.input_tokens.inc(usage.get("input_tokens", 0))
         self.cached_tokens.inc(usage.get("cached_tokens", 0))
+
+    def totals(self) -> dict[str, float]:
+        """The decision counters' values so far (what a Ray Serve replica reports to its routers)."""
+        get = self.registry.get_sample_value
+        return {name: get(f"clef_{name}_total") or 0.0 for name in ("decisions", "input_tokens", "cached_tokens")}
 
     def exposition(self) -> tuple[bytes, str]:
         """The text a scrape reads, and its content type."""

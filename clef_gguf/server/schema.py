@@ -10,12 +10,13 @@ fails the contract test instead of drifting out of the document.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, PlainValidator, Tag
 
-from clef_gguf.pipeline.wire import Images, Options, Questions, SystemOneRequest
+from clef_gguf.core.questions import TYPES, Part, QuestionType
+from clef_gguf.pipeline.wire import Images, Options, Questions, SystemOneRequest, literal
 
 def _as_is(value: Any) -> Any:
     return value
@@ -107,34 +108,26 @@ BATCH_LISTS = {"InputsBatch": "state", "RequestsBatch": "requests"}  # model -> 
 
 
 # ---------------------------------------------------------------- responses
-class NoulAnswer(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    type: Literal["noul"]
-    noul: float = Field(ge=0, le=1, description="P(true)")
-
-
-class ChoiceAnswer(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    type: Literal["choice"]
-    choice: str
-    confidence: float = Field(ge=0, le=1)
-    probabilities: dict[str, float] = Field(description="option id -> probability, in request "
-                                                        "order")
+# Each registered type's answer model (NoulAnswer, ChoiceAnswer, ...), generated from its entry in
+# ``core.questions``: one field per key of its answer, typed by the part it holds.
+PART_FIELDS: dict[Part, tuple[Any, dict[str, Any]]] = {
+    Part.FIRST: (float, {"ge": 0, "le": 1}), Part.WINNER: (str, {}), Part.EXPECTED_LEVEL: (float, {}),
+    Part.CONFIDENCE: (float, {"ge": 0, "le": 1}), Part.LEGEND: (dict[str, Any], {}),
+    Part.PROBABILITIES: (dict[str, float], {}),
+}
 
 
-class ScoreAnswer(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+def _answer_model(entry: QuestionType) -> type[BaseModel]:
+    fields: dict[str, Any] = {"type": (literal(entry.name), ...)}
+    for item in entry.answer:
+        annotation, bounds = PART_FIELDS[item.part]
+        fields[item.key] = (annotation, Field(description=item.description, **bounds))
+    return pydantic.create_model(f"{entry.name.capitalize()}Answer", __config__=ConfigDict(extra="forbid"),
+                                 **fields)
 
-    type: Literal["score"]
-    score: float = Field(description="the expected level")
-    confidence: float = Field(ge=0, le=1)
-    legend: dict[str, Any] = Field(description="level -> its description as sent")
-    probabilities: dict[str, float]
 
-
-Answer = Annotated[NoulAnswer | ChoiceAnswer | ScoreAnswer, Field(discriminator="type")]
+ANSWER_MODELS = tuple(_answer_model(entry) for entry in TYPES)
+Answer: Any = Annotated[Union[ANSWER_MODELS], Field(discriminator="type")]
 Answers = Annotated[dict[str, Answer], Field(description="question id -> answer, in request "
                                                          "order")]
 

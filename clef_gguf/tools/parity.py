@@ -24,6 +24,7 @@ import numpy as np
 
 from clef_gguf.convert.samples import SAMPLE_REQUESTS
 from clef_gguf.core import errors
+from clef_gguf.core.deps import need
 
 if TYPE_CHECKING:
     from clef_gguf.runtime.model import Clef
@@ -49,11 +50,9 @@ class Reference:
     """The transformers backbone + the release head in float32 (or bf16) on CPU."""
 
     def __init__(self, release: str | Path, *, dtype: str = "f32"):
-        try:
-            import torch
-            import transformers
-        except ImportError:
-            raise errors.ClefError("parity needs transformers: pip install 'clef-gguf[parity]'") from None
+        import torch
+
+        transformers = need("transformers", "parity", what="parity needs transformers")
         from clef_gguf.pipeline.encode import Encoder
         from clef_gguf.heads import load_head
 

@@ -8,7 +8,7 @@ reference's (``parity.compare``, the function ``parity.run_parity`` uses; the re
 once, not once per type). Output: a Markdown table (type, tower file size, ``output.weight``
 type, importance matrix, max and mean |dp|, argmax agreement).
 
-On the demo model the numbers are evidence that each quant path is wired correctly and how its
+On the demo model the numbers show that each quant path is wired correctly and how its
 error ranks, nothing more: random weights are not Clef-Flash's weights.
 """
 
@@ -24,17 +24,18 @@ from pathlib import Path
 
 from clef_gguf.core.argtypes import positive_int
 from clef_gguf.core import errors
+from clef_gguf.core.limits import KiB, MiB
 from clef_gguf.convert.samples import SAMPLE_REQUESTS
 from clef_gguf.tools import parity
 
 DEMO_PRESET, DEMO_SEED = "tiny256", 0
-LABEL = ("**Tiny random model evidence, not a quality claim about Clef-Flash.** The weights are seeded "
+LABEL = ("**Tiny random model measurements, not a quality claim about Clef-Flash.** The weights are seeded "
          "noise; the table shows that every quant path converts, loads and decides, and how far each "
          "type moves the answers of *this* toy model.")
 
 
 def _size(n: int) -> str:
-    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
+    return f"{n / MiB:.2f} MiB" if n >= MiB else f"{n / KiB:.0f} KiB"
 
 
 def make_model(base: Path, release: Path, qtype: str, out: Path, *, imatrix=None,

@@ -165,7 +165,7 @@ def tune(bench: Bench, *, only: tuple[str, ...] = tuned.SETTINGS, lengths: tuple
 @dataclass
 class ModelBench:
     """The real measurement: the model loaded with the defaults (``tune`` off, no state cache) and
-    with each candidate value, decisions of synthetic requests of each length (``bench.sized_request``)."""
+    with each candidate value, decisions of synthetic requests of each length (``workload.sized_request``)."""
 
     settings: dict[str, Any]  # Clef.load keywords: the model and its placement
     lengths: tuple[int, ...]
@@ -184,7 +184,9 @@ class ModelBench:
 
     def _measurable(self) -> None:
         """The defaults and the synthetic requests of each length; a PyTorch tower is refused."""
-        if self.base.info["backend"] != "llama-cpp-python":
+        from clef_gguf.runtime.backends import BACKENDS
+
+        if not BACKENDS[self.base.files.backend].llama:
             name = self.base.files.tower
             raise InvalidSetting(f"tune measures llama.cpp towers; {name} runs in PyTorch (the nvfp4 backend): "
                                  "give a GGUF model", field="model")
@@ -198,7 +200,7 @@ class ModelBench:
         self.exact = tower.attention == "exact-f32"
         self.packs = tower.uses_nextn
         for n in self.lengths:
-            from clef_gguf.tools.bench import sized_request
+            from clef_gguf.tools.workload import sized_request
 
             self.requests[n] = sized_request(self.base, n)
 
@@ -259,7 +261,7 @@ class ModelBench:
         """Distinct requests of about ``n`` tokens: two packed decodes of the largest pack tried (twice the default)."""
         size = 4 * int(self.defaults["pack_size"])
         if (n, size) not in self.groups:
-            from clef_gguf.tools.bench import records
+            from clef_gguf.tools.workload import records
 
             self.groups[(n, size)] = records(self.base, n, size)
         return self.groups[(n, size)]

@@ -1,4 +1,6 @@
-"""``clef-gguf tune``: measure how to run a model on this machine, keep the winners, or show them."""
+"""``clef-gguf tune``: measure how to run a model on this machine, keep the winners, or show them.
+
+Its flags are generated from ``TuneSettings`` (``core.commandline``), declared once."""
 
 from __future__ import annotations
 
@@ -6,8 +8,13 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Annotated, Literal
+
+import pydantic
+from pydantic import Field
 
 from clef_gguf.core import argtypes
+from clef_gguf.core.commandline import CommandSettings, Flag
 from clef_gguf.core.errors import InvalidValue
 from clef_gguf.core.limits import CONTEXT_WINDOW, GPU_MAX_DP
 from clef_gguf.models import tuned
@@ -29,22 +36,33 @@ def _names(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
+class TuneSettings(CommandSettings):
+    """``clef-gguf tune``'s settings: what to measure and how, or only show what was kept."""
+
+    model: Annotated[str, Flag(("--model", "-m"))] = Field(description=(
+        "a converted model directory, a .gguf next to its head files, or a catalog name"))
+    gpu_layers: Annotated[Annotated[int, pydantic.Strict(), Field(ge=-1)] | Literal["auto", "all"],
+                          Flag(type=argtypes.gpu_layers)] = Field(default="auto", description=(
+        "tower layers on the GPU while measuring, as the commands will run it (default auto)"))
+    offline: Annotated[bool, Flag(action="store_true")] = Field(default=False, description=(
+        "never download: a catalog name must be cached"))
+    lengths: Annotated[tuple[int, ...], Flag(type=_lengths, metavar="N,N")] = Field(
+        default=tune.DEFAULT_LENGTHS, description=(
+            "prompt lengths in tokens to time at; a value must win at every one "
+            f"(default {','.join(map(str, tune.DEFAULT_LENGTHS))})"))
+    rounds: Annotated[int, pydantic.Strict(), Field(ge=1), Flag(type=argtypes.positive_int, metavar="N")] = Field(
+        default=tune.DEFAULT_ROUNDS, description=(
+            f"alternated rounds per value and length (default {tune.DEFAULT_ROUNDS})"))
+    only: Annotated[list[str] | None, Flag(type=_names, metavar="NAME[,NAME...]")] = Field(
+        default=None, description=f"tune only these settings (of {', '.join(tuned.SETTINGS)})")
+    show: Annotated[bool, Flag(action="store_true")] = Field(default=False, description=(
+        "measure nothing: say what tune chose for this model on this machine, and why"))
+    as_json: Annotated[bool, Flag(("--json",), action="store_true")] = Field(default=False, description=(
+        "print the full result as JSON on stdout"))
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", "-m", required=True,
-                   help="a converted model directory, a .gguf next to its head files, or a catalog name")
-    p.add_argument("--gpu-layers", type=argtypes.gpu_layers, default="auto",
-                   help="tower layers on the GPU while measuring, as the commands will run it (default auto)")
-    p.add_argument("--offline", action="store_true", help="never download: a catalog name must be cached")
-    p.add_argument("--lengths", type=_lengths, default=tune.DEFAULT_LENGTHS, metavar="N,N",
-                   help="prompt lengths in tokens to time at; a value must win at every one (default "
-                        f"{','.join(map(str, tune.DEFAULT_LENGTHS))})")
-    p.add_argument("--rounds", type=argtypes.positive_int, default=tune.DEFAULT_ROUNDS, metavar="N",
-                   help=f"alternated rounds per value and length (default {tune.DEFAULT_ROUNDS})")
-    p.add_argument("--only", type=_names, metavar="NAME[,NAME...]",
-                   help=f"tune only these settings (of {', '.join(tuned.SETTINGS)})")
-    p.add_argument("--show", action="store_true",
-                   help="measure nothing: say what tune chose for this model on this machine, and why")
-    p.add_argument("--json", action="store_true", help="print the full result as JSON on stdout")
+    TuneSettings.add_arguments(p)
     p.epilog = ("Each setting's values are timed against its default side by side (alternating, --rounds "
                 "rounds, median and spread) at every --lengths. A value replaces the default only where it "
                 f"is more than {tune.NOISE:.0%} faster at every length with the same answers: byte-identical "
@@ -55,7 +73,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                 "the measured cores busy keeps nothing (it says so): run it again on a quiet machine.")
 
 
-def _settings(args: argparse.Namespace) -> dict:
+def _settings(args: TuneSettings) -> dict:
     return {"model": args.model, "gpu_layers": args.gpu_layers, "allow_download": not args.offline}
 
 
@@ -84,14 +102,14 @@ def describe(t: Tuning, status: str = "") -> str:
     return "\n".join(lines)
 
 
-def show(args: argparse.Namespace) -> int:
+def show(args: TuneSettings) -> int:
     from clef_gguf.runtime.load import resolve
     from clef_gguf.runtime.settings import LoadSettings
 
     tower = resolve(LoadSettings.of(**_settings(args) | {"allow_download": False})).tower  # shows, never downloads
     found = {device: (t, t is not None and tuned.current(tower, device) is not None)
              for device in ("cpu", "gpu") if (t := tuned.kept(tower, device)) is not None}
-    if args.json:
+    if args.as_json:
         print(json.dumps({"model": str(Path(tower).resolve()), "tunings": {
             d: t.to_dict() | {"current": ok} for d, (t, ok) in found.items()}}, indent=2))
         return 0
@@ -103,7 +121,8 @@ def show(args: argparse.Namespace) -> int:
     return 0
 
 
-def run(args: argparse.Namespace) -> int:
+def run(flags: argparse.Namespace) -> int:
+    args = TuneSettings.from_args(flags)
     if args.show:
         return show(args)
     only = tune.check_names(args.only)  # an unknown name is refused before any model loads
@@ -117,5 +136,5 @@ def run(args: argparse.Namespace) -> int:
         bench.close()
     if not result.loaded:
         tuned.store(result)  # a home that cannot be written is an error: nothing is said to be kept
-    print(json.dumps(result.to_dict() | {"kept": not result.loaded}, indent=2) if args.json else describe(result))
+    print(json.dumps(result.to_dict() | {"kept": not result.loaded}, indent=2) if args.as_json else describe(result))
     return 0

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from clef_gguf.core.argtypes import positive_int
 from clef_gguf.core.errors import InferenceError, InvalidValue, Unsupported
+from clef_gguf.core.questions import Criteria, Part
 from clef_gguf.server.http import free_port
 
 if TYPE_CHECKING:
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
 ENV_BINARY = "LLAMA_SERVER"
 # Upstream turns this prefix of its internal markers into "<<clef " wherever it meets it.
 _MARKER = "<<clef:"
-# server-decision.cpp's limits for clef.
+# server-decision.cpp's limits for clef: options of any question, levels of a list-of-levels type.
 _MAX_OPTIONS, _SCORE_LEVELS = 255, (2, 10)
 UBATCH_STEP = 512
 
@@ -73,19 +74,18 @@ def upstream_request(request: dict) -> dict:
             raise Unsupported("upstream refuses an empty instruction (the question id is empty too)",
                               field=f"{where}.instructions")
         descriptions = {o.id: o.description for o in q.options}
-        if q.type == "noul":
-            if None in descriptions.values():
-                raise Unsupported("an explicit null noul description: upstream renders its default "
-                                  "text there, the reference none", field=f"{where}.criteria")
-            criteria: dict[str, Any] | list[Any] = {"true": descriptions["true"], "false": descriptions["false"]}
-        elif q.type == "choice":
-            if len(q.options) > _MAX_OPTIONS:
-                raise Unsupported(f"upstream takes at most {_MAX_OPTIONS} options", field=f"{where}.criteria")
-            criteria = {key: descriptions[key] for key in q.report_order}
-        else:
-            if not _SCORE_LEVELS[0] <= len(q.options) <= _SCORE_LEVELS[1]:
-                raise Unsupported("upstream takes 2 to 10 score levels", field=f"{where}.criteria")
-            criteria = list(q.legend)
+        rule = q.question_type.criteria
+        if rule is Criteria.FIXED and None in descriptions.values():
+            raise Unsupported(f"an explicit null {q.type} description: upstream renders its default "
+                              "text there, the reference none", field=f"{where}.criteria")
+        if rule is Criteria.LEVELS and not _SCORE_LEVELS[0] <= len(q.options) <= _SCORE_LEVELS[1]:
+            raise Unsupported(f"upstream takes {_SCORE_LEVELS[0]} to {_SCORE_LEVELS[1]} {q.type} levels",
+                              field=f"{where}.criteria")
+        if len(q.options) > _MAX_OPTIONS:
+            raise Unsupported(f"upstream takes at most {_MAX_OPTIONS} options", field=f"{where}.criteria")
+        # the criteria as sent back: a list of levels, else an object in report order
+        criteria: dict[str, Any] | list[Any] = (list(q.legend) if rule is Criteria.LEVELS
+                                                else {key: descriptions[key] for key in q.report_order})
         questions[q.id] = {"type": q.type, "instructions": q.instruction, "criteria": criteria}
     return {"state": parsed.state, "questions": questions}
 
@@ -111,9 +111,11 @@ def upstream_probabilities(response: dict, request: dict) -> tuple[dict[str, dic
         got = answers.get(q.id)
         if not isinstance(got, dict) or got.get("type") != q.type:
             raise InferenceError(f"llama-server gave no {q.type} answer for {q.id!r}")
-        if q.type == "noul":
-            p = float(got["noul"])
-            out[q.id] = {"true": p, "false": 1.0 - p}
+        keys = {item.part: item.key for item in q.question_type.answer}
+        if Part.PROBABILITIES not in keys:  # a two-option type answers with its first option's p only
+            p = float(got[keys[Part.FIRST]])
+            first, second = q.report_order
+            out[q.id] = {first: p, second: 1.0 - p}
             continue
         probs = {str(k): float(v) for k, v in (got.get("probabilities") or {}).items()}
         if set(probs) != {o.id for o in q.options}:

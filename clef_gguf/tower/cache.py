@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
+from clef_gguf.core.limits import MiB
 from clef_gguf.core.lru import ByteLRU
 
 if TYPE_CHECKING:  # numpy is only handled here, never needed to import this module
@@ -54,7 +55,7 @@ class Snapshot(Generic[K]):
 class StateCache(ByteLRU[Snapshot[Any]]):
     """A byte-bounded LRU of snapshots; ``max_bytes=0`` keeps nothing (every prompt decoded)."""
 
-    def __init__(self, max_bytes: int = DEFAULT_MB << 20):
+    def __init__(self, max_bytes: int = DEFAULT_MB * MiB):
         super().__init__(max_bytes, lambda snapshot: snapshot.nbytes)
 
     @staticmethod

@@ -34,7 +34,7 @@ from llama_cpp._ggml import libggml
 
 from clef_gguf.core.cpus import available_cpus
 from clef_gguf.core.errors import ConversionError, InferenceError
-from clef_gguf.core.limits import DECODE_CHUNK
+from clef_gguf.core.limits import DECODE_CHUNK, KiB
 from clef_gguf.formats.gguf import TOWER_ARCH
 from clef_gguf.tower.llama import LlamaAdapter, LlamaContext, LlamaModel
 from clef_gguf.tower.packing import chunks
@@ -89,7 +89,7 @@ def check_layout() -> int:
     global _layout
     if _layout is not None:
         return _layout
-    ctx = _init(_InitParams(1 << 16, None, False))
+    ctx = _init(_InitParams(64 * KiB, None, False))
     if not ctx:
         raise InferenceError("ggml could not make a scratch context")
     try:

@@ -173,8 +173,58 @@ def _bytes_ptr(buf: np.ndarray) -> Any:
     return buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
 
 
+# ---------------------------------------------------------------- the tower's mapped pages
+# llama.cpp maps the whole GGUF and reads all of it in at once (MAP_POPULATE), then copies the tensors
+# its CPU kernels repack (Q4_K, Q4_0, IQ4_NL...) into buffers of their own, and with GPU layers into VRAM.
+# Those tensors' mapped pages are never read again, yet they stayed in the process: a 9B Q4_K_M held
+# its 5.4 GB file mapped beside 3.0 GB of repacked copies. So while the model loads, after each tensor,
+# this process's pages of the mapping are dropped (MADV_DONTNEED on a read-only shared mapping: the
+# pages stay in the page cache and the file is unchanged); the first decode maps back only the pages
+# the CPU reads from the file. Linux only (elsewhere nothing is dropped).
+_MADV_DONTNEED = 4
+_MAPS = Path("/proc/self/maps")
+_libc: Any = None
+
+
+def _madvise() -> Any:
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return _libc.madvise
+
+
+def drop_mapped(path: Path) -> int:
+    """Drop this process's resident pages of every mapping of ``path`` (they stay in the page cache and
+    come back on the next read); the bytes of mapping covered. 0 where the system has no ``/proc``."""
+    try:
+        maps = _MAPS.read_text()
+    except OSError:
+        return 0
+    target, covered = str(path.resolve()), 0
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5] == target:
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if _madvise()(start, end - start, _MADV_DONTNEED) == 0:
+                covered += end - start
+    return covered
+
+
+_dropping: dict[int, Path] = {}  # the loads in progress, by the key their callback is handed
+
+
+@ll.llama_progress_callback
+def _on_progress(_progress: float, key: ctypes.c_void_p) -> bool:
+    path = _dropping.get(int(key or 0))
+    if path is not None:
+        drop_mapped(path)
+    return True  # go on loading
+
+
 class LlamaModel:
-    """Owns a ``llama_model*`` loaded with mmap, ``gpu_layers`` of it offloaded."""
+    """Owns a ``llama_model*`` loaded with mmap, ``gpu_layers`` of it offloaded; the mapped pages its
+    load read are dropped as it goes (:func:`drop_mapped`)."""
 
     def __init__(self, path: Path, gpu_layers: int = 0):
         ensure_backend()
@@ -183,8 +233,16 @@ class LlamaModel:
         params.n_gpu_layers = gpu_layers  # -1: all; without a GPU backend llama.cpp uses the CPU
         self.gpu_layers = gpu_layers if gpu_offload() else 0
         params.use_extra_bufts = extra_buffer_types()
-        with captured() as lines:
-            self.ptr = ll.llama_model_load_from_file(str(path).encode(), params)
+        key = id(self)
+        _dropping[key] = path
+        params.progress_callback = _on_progress
+        params.progress_callback_user_data = ctypes.c_void_p(key)
+        try:
+            with captured() as lines:
+                self.ptr = ll.llama_model_load_from_file(str(path).encode(), params)
+            drop_mapped(path)  # the last tensor's pages too
+        finally:
+            del _dropping[key]
         if not self.ptr:
             detail = errors_in(lines) or "llama.cpp gave no reason"
             raise CorruptModel(f"llama.cpp could not load {path}: {detail}", field="tower")
@@ -345,8 +403,14 @@ class LlamaContext:
             raise InferenceError(f"llama_decode failed with code {rc}: {errors_in(lines)}")
 
     def decode_tokens(self, ids: np.ndarray) -> None:
-        """Append ``ids`` (int32, contiguous) to sequence 0."""
-        self.decode(ll.llama_batch_get_one(ids.ctypes.data_as(ctypes.POINTER(ll.llama_token)), len(ids)))
+        """Append ``ids`` (int32, contiguous) to sequence 0. With nextn no token is an output: left to
+        itself llama.cpp makes the last one, which runs the 248,320-row lm_head for a row nothing reads
+        (and reads its whole weight matrix into memory: 0.8 GB of a 9B Q4_K_M's file)."""
+        batch = ll.llama_batch_get_one(ids.ctypes.data_as(ctypes.POINTER(ll.llama_token)), len(ids))
+        flags = np.zeros(len(ids), dtype=np.int8)  # alive until the decode returns
+        if self.nextn:
+            batch.logits = flags.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+        self.decode(batch)
 
     def state_size(self, seq: int, partial: bool = False) -> int:
         """Bytes of sequence ``seq``'s saved state; ``partial``: its recurrent part and header only."""

@@ -25,21 +25,20 @@ class PackRule:
     pack: int  # prompts decoded together (sequences of the packed context); 1: one at a time
     max_tokens: int  # longer prompts run one at a time; also each packed sequence's KV window
     ubatch: int  # tokens per packed llama_decode (the packed context's n_batch = n_ubatch)
-    evidence: str
+    basis: str  # where the measurements this rule rests on are kept: a page and its section
 
 
-# The packing policy, in one place; the figures are BENCHMARKS.md "Several prompts per decode". On the
-# CPU packing paid at every size measured (100-2,000 tokens), most for short prompts; 8 prompts gained
-# no more than 4 for twice the sequence memory; 2,048-token ubatches were slower than 1,024. Past 2,048
-# tokens it is unmeasured, and each sequence's KV window would grow with it. On a GPU a decode call
-# costs ~5 ms on the host whatever its size (docs/gpu.md), so the card wants many prompts per call: 16, in
-# ubatches that hold a 512-token chunk of each (the packed context's memory is still capped by
-# PACK_MEMORY_SHARE of what the device has free); the GPU check's throughput row measures 1, 4 and 16.
+# The packing policy, in one place, each rule's measurements on the page its ``basis`` names. Packing
+# spreads a decode call's fixed costs (per call, per weight read) over its prompts, so it pays most for
+# short prompts. On the CPU more prompts per call stop paying once the ubatches are full, while each adds
+# its sequence's memory: 4, in 1,024-token ubatches. Longer prompts than 2,048 tokens run one at a time:
+# each sequence's KV window would grow with them, and the policy is unmeasured there. On a GPU a decode
+# call's host cost does not grow with its size, so the card wants many prompts per call: 16, in ubatches
+# that hold a 512-token chunk of each (the packed context's memory is still capped by PACK_MEMORY_SHARE
+# of what the device has free).
 PACKING = {
-    "cpu": PackRule(4, 2048, 1024, "2 threads, packed/one-by-one: 110M q8_0 decisions 0.87 at 336 tokens, "
-                    "0.95 at 2,000, tower 0.68 at 100; 9B Q4_K_M tower 0.59 at 100, decisions 0.98 at 466"),
-    "gpu": PackRule(16, 2048, 8192, "H200, 9B Q4_K_M, 64 distinct ~500-token requests (docs/gpu.md): "
-                    "pack 16 11.8 decisions/s against 9.0 one at a time"),
+    "cpu": PackRule(4, 2048, 1024, "BENCHMARKS.md#several-prompts-per-decode"),
+    "gpu": PackRule(16, 2048, 8192, "docs/gpu.md#measured-on-an-h200-before-the-head-moved-beside-the-tower"),
 }
 # The packed context may take this share of the memory the device policy leaves free at its creation.
 PACK_MEMORY_SHARE = 0.5

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from clef_gguf.core.limits import MiB
 from clef_gguf.core.limits import VISION_CACHE_MB as DEFAULT_MB
 from clef_gguf.core.lru import ByteLRU
 from clef_gguf.vision.encoder import VisionTower
@@ -48,7 +49,7 @@ class VisionCache(ByteLRU[torch.Tensor]):
     """A byte-bounded LRU of vision outputs (float32 [tokens, out_hidden_size]); ``max_bytes=0``
     keeps nothing (the tower runs for every picture). Thread-safe: a server's requests share it."""
 
-    def __init__(self, max_bytes: int = DEFAULT_MB << 20) -> None:
+    def __init__(self, max_bytes: int = DEFAULT_MB * MiB) -> None:
         super().__init__(max_bytes, lambda rows: rows.nelement() * rows.element_size())
 
 

@@ -40,7 +40,7 @@ from clef_gguf.convert.synthetic.shapes import PlannedTensor, plan, preset_confi
 from clef_gguf.convert import tensor_map as tm
 from clef_gguf.convert.hf_to_gguf import add_metadata, stream_gguf
 from clef_gguf.core.errors import ConversionError
-from clef_gguf.core.limits import GiB
+from clef_gguf.core.limits import GB, GiB
 
 # Clef-Flash's vision tower (Qwen3.5-9B's vision_config: 27 blocks, width 1152, 456M parameters) and
 # Qwen3-VL's published processor settings (16-pixel patches merged 2x2: one token per 32x32 pixels; a
@@ -177,10 +177,11 @@ def needed_bytes(p: dict, outtype: str) -> int:
 
 
 def build_random_model(out, *, preset: str = "flash9b", outtype: str = "Q4_K_M", seed: int = 0,
-                       layers: int | None = None, vision: bool = False) -> dict:
+                       layers: int | None = None, vision: bool = False, full_vocab: bool = False) -> dict:
     """A clef-gguf model directory ``out`` (tower written directly in ``outtype`` by
     ``convert.synthetic.tiled``, head files, tokenizer, manifest; ``vision``: a random vision tower of
-    Clef-Flash's shape too); returns a summary."""
+    Clef-Flash's shape too; ``full_vocab``: a tokenizer as large as the release's, in tokenizer.json and
+    the GGUF, so that its memory is measured too); returns a summary."""
     outtype = tiled.canonical(outtype)
     p = preset_config(preset, layers)
     out = Path(out)
@@ -188,13 +189,15 @@ def build_random_model(out, *, preset: str = "flash9b", outtype: str = "Q4_K_M",
     head_bytes = GiB  # the full-size head in bf16 is ~0.3 GB; a margin for the manifest's temp
     free = _free_bytes(out)
     if free < tower_bytes + head_bytes:
-        raise ConversionError(f"{out}: needs ~{(tower_bytes + head_bytes) / 1e9:.1f} GB free "
-                              f"(tower {tower_bytes / 1e9:.1f} GB + head), has {free / 1e9:.1f} GB")
+        raise ConversionError(f"{out}: needs ~{(tower_bytes + head_bytes) / GB:.1f} GB free "
+                              f"(tower {tower_bytes / GB:.1f} GB + head), has {free / GB:.1f} GB")
     name = f"clef-random-{preset}{'' if layers is None else f'-{layers}l'}-{outtype}-seed{seed}"
     timings = {}
     start = time.perf_counter()
     with files.staged_directory(out) as stage:
         tok = tiny.build_tokenizer(p["bpe_vocab"])
+        if full_vocab:
+            tok = tiny.full_size_tokenizer(tok, p["vocab_size"], seed)
         tok.save(str(stage / files.TOKENIZER))
         t0 = time.perf_counter()
         tiny.write_head(stage, p["head"], seed)
@@ -234,10 +237,13 @@ def main(argv: list[str] | None = None) -> int:
                     "same shapes: time a short run before the full one")
     ap.add_argument("--vision", action="store_true", help="also a random vision tower of Clef-Flash's shape "
                     "(27 blocks, width 1152; 0.9 GB bf16) and its processor files, for `bench --picture`")
+    ap.add_argument("--full-vocab", action="store_true", help="a tokenizer as large as the release's (248,320 "
+                    "tokens and as many merges, in tokenizer.json and the GGUF) instead of the demo's 512: what "
+                    "the real tokenizer costs in memory and load time")
     args = ap.parse_args(argv)
     print(f"clef_gguf.convert.synthetic.big: {RANDOM_WARNING}", file=sys.stderr)
     summary = build_random_model(args.out, preset=args.preset, outtype=args.outtype, seed=args.seed,
-                                 layers=args.layers, vision=args.vision)
+                                 layers=args.layers, vision=args.vision, full_vocab=args.full_vocab)
     print(json.dumps(summary, indent=2))
     return 0
 

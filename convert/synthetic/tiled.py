@@ -27,6 +27,7 @@ from clef_gguf.convert import gguf_vocab, nvfp4, probe_tower, quantize
 from clef_gguf.convert import tensor_map as tm
 from clef_gguf.convert.hf_to_gguf import SUPPORTED, add_metadata, whole_gguf
 from clef_gguf.convert.nvfp4_to_gguf import BLOCK_BYTES as NVFP4_BLOCK_BYTES
+from clef_gguf.core.limits import MiB
 from clef_gguf.convert.nvfp4_to_gguf import FILE_TYPE as NVFP4_FILE_TYPE
 from clef_gguf.convert.synthetic import tiny
 from clef_gguf.convert.synthetic.shapes import plan, preset_config
@@ -36,7 +37,7 @@ from clef_gguf.formats.gguf import ensure_gguf_types
 NVFP4 = "nvfp4"  # the outtype naming an NVFP4 checkpoint's GGUF
 # Distinct random rows per matrix (prime: a row never lines up with a head or block period of the shapes)
 POOL_ROWS = 61
-CHUNK_BYTES = 32 << 20  # bytes of tiled rows made once and written as often as the tensor needs
+CHUNK_BYTES = 32 * MiB  # bytes of tiled rows made once and written as often as the tensor needs
 _T = gguf.GGMLQuantizationType
 # ggml block type -> (byte offset, f16 value) of each scale field of its block (ggml-common.h); the rest
 # of a block is random bits, every pattern of which is a valid code. The values give |w| <= ~0.05.

@@ -121,6 +121,34 @@ def build_tokenizer(bpe_vocab: int):
     return tok
 
 
+def full_size_tokenizer(tok, vocab_size: int, seed: int = 0):
+    """``tok`` grown to ``vocab_size`` ids, as large as a release's (Clef-Flash: 248,320 tokens and about as
+    many merges): deterministic random merges of the tokens it has, ranked after its own, at the ids its
+    added tokens leave free. Its memory is a real tokenizer's (the text it encodes keeps its trained
+    merges first); for memory measurements at the real size."""
+    import json
+    import random
+
+    from tokenizers import Tokenizer
+
+    spec = json.loads(tok.to_str())
+    vocab, merges = spec["model"]["vocab"], spec["model"]["merges"]
+    taken = set(vocab.values()) | {a["id"] for a in spec["added_tokens"]}
+    free = (i for i in range(vocab_size) if i not in taken)
+    rng, pool = random.Random(seed), list(vocab)
+    budget = vocab_size - len(taken)
+    while budget > 0:
+        first, second = rng.choice(pool), rng.choice(pool[:4096])
+        merged = first + second
+        if merged in vocab or len(merged) > 24:
+            continue
+        vocab[merged] = next(free)
+        merges.append([first, second] if merges and isinstance(merges[0], list) else f"{first} {second}")
+        pool.append(merged)
+        budget -= 1
+    return Tokenizer.from_str(json.dumps(spec))
+
+
 def tokenizer_config(tok) -> dict:
     decoder = {}
     for text in SPECIAL_TOKENS + PLAIN_ADDED_TOKENS:

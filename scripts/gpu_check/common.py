@@ -183,7 +183,7 @@ def latency_by_length(model: Path, dry: bool, lengths: tuple[int, ...] | None = 
                       **load: Any) -> dict:
     """Per stage, the spread of one decision at each length (default: ``tokens``), each recorded."""
     from clef_gguf import Clef
-    from clef_gguf.tools.bench import sized_request
+    from clef_gguf.tools.workload import sized_request
 
     out: dict[str, Any] = {}
     with Clef.load(model, state_cache_mb=0, max_length=4096, **placement(dry), **load) as clef:
@@ -218,7 +218,7 @@ def throughput(work: Path, dry: bool) -> dict:
     on a GPU (byte-identical on the CPU: bench-server decides from the server's placement)."""
     from clef_gguf import Clef
     from clef_gguf.core.children import module_command
-    from clef_gguf.tools.bench import sized_request
+    from clef_gguf.tools.workload import sized_request
 
     model = big_model(work, dry)
     count = 6 if dry else SERVE_CLIENTS
@@ -250,7 +250,7 @@ def pick(work: Path, dry: bool) -> dict:
     from clef_gguf.core.cpus import available_cpus
     from clef_gguf.core.limits import SYSTEM_PREFIX_TOKENS
     from clef_gguf.pick import speed
-    from clef_gguf.tools.bench import sized_request
+    from clef_gguf.tools.workload import sized_request
 
     model = big_model(work, dry)
     with Clef.load(model, state_cache_mb=0, **placement(dry)) as clef:

@@ -128,7 +128,7 @@ def _packing(checkpoint: Path, dry: bool) -> dict[str, Any]:
     """The PyTorch backend's decisions/s (its default dtype) over distinct ~466-token requests, one
     prompt per forward against its packing policy (16 per forward on CUDA; the dry run packs 4)."""
     from clef_gguf import Clef
-    from clef_gguf.tools.bench import sized_request
+    from clef_gguf.tools.workload import sized_request
 
     count = 6 if dry else 32
     rates: dict[str, Any] = {}

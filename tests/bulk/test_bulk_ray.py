@@ -80,3 +80,84 @@ def test_ray_serve_replicas_answer_like_serve(tiny_model_dir, tmp_path):
         assert proc.wait(120) == 0
         _gone, alive = psutil.wait_procs(family, timeout=60)
         assert not alive, f"Ray processes left behind: {[p.pid for p in alive]}"
+
+
+
+QUESTION_SETS = [{"urgent": {"type": "noul"}}, SCHEMA, OTHER,
+                 {"team": {"type": "choice", "criteria": {"billing": None, "shipping": None, "returns": None}}}]
+
+
+def _post_all(url: str, requests: list[dict], clients: int) -> list[httpx.Response]:
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+        return list(pool.map(lambda body: httpx.post(url + "/v1/systemone", json=body, timeout=300), requests))
+
+
+def _metric(url: str, name: str) -> dict[str, float]:
+    """Each sample of ``name`` in the ingress's /metrics, by its labels' text."""
+    out = {}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            labels, _, value = line.rpartition(" ")
+            out[labels[len(name):]] = float(value)
+    return out
+
+
+def test_ray_serve_routes_each_state_to_its_replica_and_loses_no_request_when_one_dies(tiny_model_dir, tmp_path):
+    """10 states each asked 4 question sets, shuffled, 4 clients at once, 2 replicas: a repeated state
+    meets its replica's state cache (its cached tokens past the system prefix) at least 27 times in 30,
+    with the answers of one process. Then one replica's process is killed while 24 requests are in
+    flight: every one is answered, as one process answers it, and the routers say they sent some again."""
+    import random
+
+    flags = ("--model", str(tiny_model_dir), "--max-length", "2048")
+    states = [f"Ticket {n}: customer {n} wrote twice about parcel {1000 + n}, which never came. " * 8
+              for n in range(10)]
+    asked = [{"state": states[s], "questions": QUESTION_SETS[q]} for s in range(10) for q in range(4)]
+    random.Random(0).shuffle(asked)
+    long_states = [{"state": f"Case {n}: " + "the parcel was late and the box was damaged. " * 64,
+                    "questions": SCHEMA} for n in range(24)]
+    with Clef.load(tiny_model_dir, threads=1, max_length=2048) as clef:
+        prefix = clef.prepare(asked[0]).encoded.prefix_tokens
+        want = [clef.decide(body)["answers"] for body in asked]
+        want_long = [clef.decide(body)["answers"] for body in long_states]
+    with serve_process(tmp_path, *flags, "--engine", "ray-serve", "--replicas", "2",
+                       "--threads", "1") as (proc, url, _port):
+        wait_healthy(proc, url)
+        deadline = time.monotonic() + 120
+        while len(_metric(url, "clef_replica_info")) < 2 and time.monotonic() < deadline:
+            time.sleep(0.5)  # both replicas up (one answering is enough for /health): keys spread over both
+        got = _post_all(url, asked, clients=4)
+        assert [g.status_code for g in got] == [200] * 40
+        assert [g.json()["answers"] for g in got] == want
+        seen: set[str] = set()
+        repeats = hits = 0
+        for body, answer in zip(asked, got):
+            if body["state"] in seen:
+                repeats += 1
+                hits += answer.json()["usage"]["cached_tokens"] > prefix
+            seen.add(body["state"])
+        print(f"\nstate routing: {hits} of {repeats} repeated states found in their replica's cache")
+        assert repeats == 30 and hits >= 27
+        deadline = time.monotonic() + 30
+        while sum(_metric(url, "clef_decisions_total").values()) < 40 and time.monotonic() < deadline:
+            time.sleep(0.5)  # the replicas' stats reach the routers every second
+        assert sum(_metric(url, "clef_decisions_total").values()) == 40
+        assert _metric(url, "clef_routing_total")['{choice="affinity"}'] >= 27
+        pids = [int(k.split('pid="')[1].split('"')[0]) for k in _metric(url, "clef_replica_info")]
+        assert len(pids) == 2
+
+        import concurrent.futures
+        import os
+
+        with concurrent.futures.ThreadPoolExecutor(24) as pool:
+            flight = pool.submit(_post_all, url, long_states, 24)
+            time.sleep(1.0)
+            os.kill(pids[0], signal.SIGKILL)
+            answered = flight.result()
+        assert [a.status_code for a in answered] == [200] * 24, [a.text for a in answered if a.status_code != 200]
+        assert [a.json()["answers"] for a in answered] == want_long
+        assert _metric(url, "clef_routing_total").get('{choice="retried"}', 0) >= 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == 0

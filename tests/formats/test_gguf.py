@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from clef_gguf.core import errors
-from clef_gguf.formats.gguf import (MISSING_TYPES, check_header, ensure_gguf_types, field_value,
-                                    file_type_name, ggml_to_float, open_gguf)
+from clef_gguf.formats.gguf import (MISSING_TYPES, SKIM_ITEMS, array_length, check_header, ensure_gguf_types,
+                                    field_value, file_type_name, ggml_to_float, open_gguf, string_items)
 
 T = gguf.GGMLQuantizationType
 HIDDEN, VOCAB, INNER = 32, 16, 64
@@ -149,6 +149,62 @@ def test_a_qwen35_header_llama_cpp_would_abort_on_is_refused(tmp_path, change, w
     with pytest.raises(errors.CorruptModel, match=why) as caught:
         check_header(open_gguf(path), path)
     assert caught.value.field == "tower"
+
+
+# ---------------------------------------------------------------- long metadata arrays (a vocabulary)
+LONG = SKIM_ITEMS * 3
+
+
+def _vocab(path, tokens):
+    kv = {"tokenizer.ggml.tokens": (tokens, gguf.GGUFValueType.ARRAY),
+          "tokenizer.ggml.token_type": ([1] * len(tokens), gguf.GGUFValueType.ARRAY),
+          "tokenizer.ggml.merges": (["a b", "c d"], gguf.GGUFValueType.ARRAY)}
+    return write(path, {"output.weight": np.zeros((VOCAB, HIDDEN), np.float32)}, kv)
+
+
+def test_a_long_array_is_located_not_read_and_reads_the_same_when_asked(tmp_path):
+    tokens = [f"tok{i}" + "é" * (i % 3) for i in range(LONG)]
+    path = _vocab(tmp_path / "v.gguf", tokens)
+    skimmed, whole = open_gguf(path), open_gguf(path, whole_arrays=True)
+    assert set(skimmed.skimmed) == {"tokenizer.ggml.tokens", "tokenizer.ggml.token_type"}  # short ones are read
+    assert skimmed.fields["tokenizer.ggml.tokens"].data == []
+    assert len(whole.fields["tokenizer.ggml.tokens"].data) == LONG
+    for reader in (skimmed, whole):
+        assert array_length(reader, "tokenizer.ggml.tokens") == LONG
+        assert array_length(reader, "tokenizer.ggml.token_type") == LONG
+        assert array_length(reader, "tokenizer.ggml.merges") == 2 and array_length(reader, "no.such") is None
+        assert string_items(reader, "tokenizer.ggml.tokens") == [t.encode() for t in tokens]
+        assert string_items(reader, "tokenizer.ggml.merges") == [b"a b", b"c d"]
+    assert [t.name for t in skimmed.tensors] == ["output.weight"]  # what follows the arrays is where it was
+
+
+def test_a_long_array_cut_short_or_overrunning_is_corrupt(tmp_path):
+    path = _vocab(tmp_path / "v.gguf", [f"tok{i}" for i in range(LONG)])
+    data = path.read_bytes()
+    start = data.index(b"tok0") - 8  # the first string's length
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:start + 4000])
+    overrun = _patched(path, tmp_path / "overrun.gguf", start + 8 * 1000 + sum(len(f"tok{i}") for i in range(1000)),
+                       1 << 40)
+    for bad in (cut, overrun):
+        with pytest.raises(errors.CorruptModel) as caught:
+            open_gguf(bad)
+        assert caught.value.field == "tower"
+
+
+def test_a_vocabulary_holding_a_token_twice_is_refused_however_it_was_read(tmp_path):
+    path = _qwen35(tmp_path / "q.gguf")
+    dup = write(tmp_path / "dup.gguf", {"token_embd.weight": np.zeros((VOCAB, HIDDEN), np.float32),
+                                        "blk.0.ssm_out.weight": np.zeros((HIDDEN, INNER), np.float32)},
+                {"qwen35.block_count": (1, gguf.GGUFValueType.UINT32),
+                 "qwen35.embedding_length": (HIDDEN, gguf.GGUFValueType.UINT32),
+                 "qwen35.ssm.inner_size": (INNER, gguf.GGUFValueType.UINT32),
+                 "qwen35.attention.layer_norm_rms_epsilon": (1e-6, gguf.GGUFValueType.FLOAT32),
+                 "tokenizer.ggml.tokens": ([f"t{i}" for i in range(LONG)] + ["t7"], gguf.GGUFValueType.ARRAY)})
+    check_header(open_gguf(path), path)
+    for whole in (False, True):
+        with pytest.raises(errors.CorruptModel, match="same token twice"):
+            check_header(open_gguf(dup, whole_arrays=whole), dup)
 
 
 # ---------------------------------------------------------------- ggml's types and dequantizer

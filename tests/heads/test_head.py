@@ -4,7 +4,7 @@ The reference below never touches torch.nn: it is a plain per-record loop (per q
 from the spec's equations, reading the weights by their release names. Agreement therefore checks the module
 tree, the names, the math and the vectorisation at once.
 
-Measured (``python tests/test_head.py`` prints them): float64 module vs reference <= 1e-13 in logits; fp32
+Measured (``python tests/heads/test_head.py`` prints them): float64 module vs reference <= 1e-13 in logits; fp32
 module <= 3e-5 in logits and <= 5e-6 in probabilities (steep random heads, x100 clamped scales); bf16 module
 <= 2.6% of the largest |logit|, <= 0.09 in probabilities. The bars below sit above those with margin.
 """

@@ -208,7 +208,7 @@ def tiny_catalog(head: dict[str, bytes], tower: bytes, head_repo: str, head_rev:
                              "attention_heads": 4, "kv_heads": 2, "head_dim": 16, "vocab_size": 512,
                              "max_context": 32768},
             "memory": {"kv_bytes_per_token": 128, "recurrent_bytes_per_sequence": 65536,
-                       "head_bytes": 1 << 20, "lexical_rows_bytes": 1 << 20, "compute_bytes": 1 << 20,
+                       "head_bytes": 1 << 20, "activation_bytes_per_token": 64, "compute_bytes": 1 << 20,
                        "runtime_bytes": 1 << 20},
             "size_estimate": {"overhead_bytes": 0, "bytes_per_bpw": 1},
             "head_source": "head", "tower_sources": ["tower"], "other_sources": []}},

@@ -45,7 +45,7 @@ def catalog_dict(**tower_files) -> dict:
                              "attention_heads": 16, "kv_heads": 4, "head_dim": 256, "vocab_size": 248320,
                              "max_context": 262144},
             "memory": {"kv_bytes_per_token": 32768, "recurrent_bytes_per_sequence": 52690944,
-                       "head_bytes": 243538016, "lexical_rows_bytes": 67108864, "compute_bytes": 536870912,
+                       "head_bytes": 243538016, "activation_bytes_per_token": 4096, "compute_bytes": 536870912,
                        "runtime_bytes": 671088640},
             "size_estimate": {"overhead_bytes": 429000000, "bytes_per_bpw": 1095500000},
             "head_source": "head", "tower_sources": ["tower", "loose"], "other_sources": ["native"]}},

@@ -70,7 +70,7 @@ def catalog_dict(data: bytes, revision: str | None = NATIVE_REV) -> dict:
                     "kv_bytes_per_token": 128,
                     "recurrent_bytes_per_sequence": 65536,
                     "head_bytes": 1 << 20,
-                    "lexical_rows_bytes": 1 << 20,
+                    "activation_bytes_per_token": 64,
                     "compute_bytes": 1 << 20,
                     "runtime_bytes": 1 << 20,
                 },

@@ -279,19 +279,13 @@ def test_damaged_checkpoints_are_clear_errors(model_dir, tmp_path):
 
 
 def test_a_missing_library_is_named(model_dir, monkeypatch):
-    import builtins
-
-    real = builtins.__import__
-
-    def no_compressed_tensors(name, *args, **kwargs):
-        if name.startswith("compressed_tensors"):
-            raise ImportError(name)
-        return real(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_compressed_tensors)
+    for name in ("compressed_tensors", "compressed_tensors.quantization"):  # None: an import fails
+        monkeypatch.setitem(sys.modules, name, None)
     with pytest.raises(errors.MissingDependency) as info:
         Clef.load(model_dir)
-    assert "clef-gguf[nvfp4]" in info.value.message
+    assert info.value.code == "missing_dependency" and info.value.field == "backend"
+    assert info.value.message == ("the nvfp4 backend needs compressed-tensors: "
+                                  "pip install 'clef-gguf[nvfp4]'")
 
 
 def test_convert_then_decide_from_the_command_line(tiny_release, tmp_path, scheme):

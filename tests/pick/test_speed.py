@@ -121,12 +121,20 @@ def test_no_probe_prints_memory_only_and_refuses_what_needs_the_probe(faked, cap
     for argv, field in ((["--no-probe", "--max-seconds", "3"], "no_probe"),
                         (["--no-probe", "--prefer", "speed"], "no_probe"),
                         (["--no-probe", "--reprobe"], "reprobe"),
-                        (["--no-probe", "--picture", "448"], "picture"),
                         (["--quants", "Q4_K_M,Q9_9"], "quants")):
         with pytest.raises(InvalidValue) as err:
             pick.run(parse(*argv))
         assert err.value.field == field, argv
     assert "Q9_9" in str(err.value)
+    # --picture without the probe: the vision tower's memory only, in every quant's need and the reason
+    assert pick.run(parse("--no-probe", "--json")) == 0
+    text = json.loads(capsys.readouterr().out)
+    assert pick.run(parse("--no-probe", "--picture", "448", "--json")) == 0
+    pictures = json.loads(capsys.readouterr().out)
+    vision = pictures["recommendation"]["breakdown"]["vision_tower"]
+    assert vision > 0 and text["recommendation"]["breakdown"]["vision_tower"] == 0 and not faked
+    assert [r["memory_bytes"] + vision for r in text["table"] if not r["by_name"]] == \
+        [r["memory_bytes"] for r in pictures["table"] if not r["by_name"]]
 
 
 @pytest.mark.parametrize("argv, words", [(["--max-seconds", "-1"], "must be >= 0 seconds"),

@@ -162,3 +162,21 @@ def test_fitting_request_is_not_marked_truncated(encoder):
     enc = encode(encoder, {"state": "short", "questions": {"q": {"type": "noul"}}},
                  truncate_state=True)
     assert not enc.truncated
+
+
+# ---------------------------------------------------------------- the bounded prefix
+@pytest.mark.parametrize("words, room, whole", [(50, 1000, True), (20000, 100, False), (20000, 3000, False)])
+def test_the_state_ids_and_their_characters_come_from_one_bounded_tokenization(encoder, words, room, whole):
+    from clef_gguf.pipeline.encode import CUT_MARGIN, bounded_encoding
+    from clef_gguf.pipeline.evidence_spans import state_offsets
+
+    state = " ".join(f"w{i % 97}" for i in range(words))
+    encoding, exact = bounded_encoding(encoder.tokenizer, state, room)
+    full = ids_of(encoder, state)
+    assert exact is whole and encoding.ids[:room] == full[:room]
+    if not exact:  # a long state: a bounded prefix, seen CUT_MARGIN tokens past the room
+        assert room + CUT_MARGIN < len(encoding.ids) < len(full)
+    ids, ids_exact = encoder.state_ids(state, room)
+    assert (ids, ids_exact) == (encoding.ids, exact)
+    kept = np.array(ids[:room])
+    assert state_offsets(encoder, state, kept) == [tuple(o) for o in encoding.offsets[:len(kept)]]

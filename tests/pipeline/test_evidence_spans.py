@@ -11,7 +11,7 @@ import pytest
 from clef_gguf.core import errors
 from clef_gguf.pipeline.encode import render
 from clef_gguf.pipeline.evidence import DEFAULT_TOP, EvidenceSpec, parse_evidence
-from clef_gguf.pipeline.evidence_spans import Placement, Regions, chosen_options, shares, spans, state_layout
+from clef_gguf.pipeline.evidence_spans import CharacterMap, Regions, chosen_options, shares, spans, state_layout
 
 NESTED = {"b": [1, {"x y": None, "z": "deep"}], "a": "top", "é": 2.5, "t": True}
 
@@ -40,12 +40,12 @@ def test_words_merge_into_ranked_spans():
     offsets = [(0, 5), (5, 10), (10, 16), (16, 17), (17, 23)]  # byte-level style: leading spaces
     weights = np.zeros(20, dtype=np.float32)
     weights[2:7] = [0.30, 0.25, 0.05, 0.01, 0.20]  # alpha, beta adjacent and strong; delta alone
-    found = spans(weights, regions((2, 7), 20), Placement.of(offsets, text), layout, top=2)
+    found = spans(weights, regions((2, 7), 20), CharacterMap.of(offsets, text), layout, top=2)
     assert [s["text"] for s in found] == ["alpha beta", "delta"]
     assert found[0]["start"] == 0 and found[0]["end"] == 10
     assert found[0]["share"] == pytest.approx(0.55 / 0.81, abs=1e-4)
     assert all("path" not in s for s in found)
-    one = spans(weights, regions((2, 7), 20), Placement.of(offsets, text), layout, top=1)
+    one = spans(weights, regions((2, 7), 20), CharacterMap.of(offsets, text), layout, top=1)
     assert [s["text"] for s in one] == ["alpha beta"]
 
 
@@ -53,7 +53,7 @@ def test_a_truncated_state_has_spans_in_its_kept_part_only():
     text = "kept words here and then the cut part"
     offsets = [(0, 4), (4, 10), (10, 15)]
     weights = np.full(10, 0.1, dtype=np.float32)
-    found = spans(weights, regions((1, 4), 10), Placement.of(offsets, text), state_layout(text), top=5)
+    found = spans(weights, regions((1, 4), 10), CharacterMap.of(offsets, text), state_layout(text), top=5)
     assert max(s["end"] for s in found) <= 15
 
 
@@ -84,7 +84,7 @@ def test_evenly_spread_attention_gives_separate_words_not_one_span():
     offsets = [(m.start(), m.end()) for m in re.finditer(r"\w+", text)]
     weights = np.full(10, 0.1, dtype=np.float32)
     weights[4] = 0.12  # "four" (the state starts at token 1) a little above the rest
-    found = spans(weights, regions((1, 9), 10), Placement.of(offsets, text), state_layout(text), top=3)
+    found = spans(weights, regions((1, 9), 10), CharacterMap.of(offsets, text), state_layout(text), top=3)
     assert len(found) == 3 and found[0]["text"] == "four"
     assert all(" " not in s["text"] for s in found)
     starts = sorted(s["start"] for s in found)

@@ -3,7 +3,10 @@
 import pytest
 
 from clef_gguf.core import errors
-from clef_gguf.pipeline.request import MAX_DEPTH, NOUL_DEFAULTS, parse_json, parse_request
+from clef_gguf.core.questions import NOUL
+from clef_gguf.pipeline.request import MAX_DEPTH, parse_json, parse_request
+
+NOUL_DEFAULTS = dict(NOUL.fixed)  # the registry's default descriptions
 
 
 def body(**questions):

@@ -1,7 +1,7 @@
 """Fine-tunes on one loaded tower (``clef_gguf.runtime.finetunes`` and ``Clef.load(adapters=)``): the flags,
 routing by a request's ``model``, cache keys per adapter, packing per model, and every refusal.
 
-The fine-tunes are random ones (``convert.finetune_demo``) converted by ``convert adapter``; their
+The fine-tunes are random ones (``convert.synthetic.finetune_demo``) converted by ``convert adapter``; their
 parity with the PEFT-merged reference is tests/runtime/test_finetune.py's.
 """
 

@@ -7,7 +7,6 @@ import argparse
 
 import pytest
 
-from clef_gguf.core import errors
 from clef_gguf.formats.files import from_directory
 from clef_gguf.models import tuned
 from clef_gguf.runtime import tuning
@@ -80,10 +79,3 @@ def test_a_model_loads_with_its_tuned_settings_and_without_them(tiny_model_dir_f
     with load_model(parser.parse_args(["--model", str(model), "--decode-chunk", "128"])) as models:
         assert models.default_model.tower.n_batch == 128  # the flag beats the tuned 256
         assert models.default_model.tower.threads == 1  # the rest still tuned
-
-
-def test_llama_settings_are_refused_for_a_tower_llama_cpp_does_not_run(tower):
-    tuning.refuse_llama_settings(LoadSettings.of(model="m"), tower)
-    with pytest.raises(errors.InvalidSetting, match="--decode-chunk") as err:
-        tuning.refuse_llama_settings(LoadSettings.of(model="m", decode_chunk=256), tower)
-    assert err.value.field == "decode_chunk"

@@ -16,6 +16,7 @@ from avrik_sdk import Client, noul
 
 from clef_gguf.cli import build_parser
 from clef_gguf.server.guard import SitePolicy, parse_host
+from clef_gguf.server.settings import ServerSettings
 from server_helpers import DEADLINE_S, Gated, ThreadServer, request_body
 
 BODY = json.dumps(request_body(1)).encode()
@@ -234,9 +235,9 @@ def test_flags_and_their_refusals():
     args = parser.parse_args(["serve", "--model", "m", "--allowed-host", "Clef.LAN",
                               "--allowed-host", "[::1]:8080", "--cors-origin", "http://127.0.0.1:3000/",
                               "--cors-origin", "https://app.example:443"])
-    assert SitePolicy.from_args(args) == SitePolicy(("clef.lan", "[::1]:8080"),
-                                                    ("http://127.0.0.1:3000", "https://app.example"))
-    assert SitePolicy.from_args(parser.parse_args(["serve", "--model", "m"])) == SitePolicy()
+    assert ServerSettings.from_args(args).site == SitePolicy(("clef.lan", "[::1]:8080"),
+                                                             ("http://127.0.0.1:3000", "https://app.example"))
+    assert ServerSettings.from_args(parser.parse_args(["serve", "--model", "m"])).site == SitePolicy()
     for flag, value in (("--allowed-host", "bad host"), ("--allowed-host", "a:99999"),
                         ("--cors-origin", "127.0.0.1:3000"), ("--cors-origin", "http://a.example/path"),
                         ("--cors-origin", "ftp://a.example")):

@@ -269,7 +269,7 @@ def test_quant_table_demo_writes_labelled_markdown(tmp_path, capsys):
     assert quant_table.run(args) == 0
     assert json.loads(capsys.readouterr().out)["types"] == 4
     text = (tmp_path / "t.md").read_text()
-    assert "Tiny random model evidence, not a quality claim about Clef-Flash" in text
+    assert "Tiny random model measurements, not a quality claim about Clef-Flash" in text
     rows = json.loads((tmp_path / "t.json").read_text())
     assert [r["type"] for r in rows] == ["f32", "Q4_0", "Q2_0", "IQ2_XXS"]
     assert rows[0]["max_abs_dp"] < 1e-3 and all(0 < r["max_abs_dp"] < 0.5 for r in rows[1:])

@@ -238,7 +238,7 @@ def test_a_value_whose_load_fails_with_any_error_is_recorded_and_the_rest_kept()
 
 
 def test_model_bench_closes_its_model_when_setting_up_fails(tiny_model_dir, monkeypatch):
-    from clef_gguf.tools import bench
+    from clef_gguf.tools import workload
 
     closed = []
     real_close = Clef.close
@@ -247,7 +247,7 @@ def test_model_bench_closes_its_model_when_setting_up_fails(tiny_model_dir, monk
     def boom(clef, n):
         raise RuntimeError("no request of that size")
 
-    monkeypatch.setattr(bench, "sized_request", boom)
+    monkeypatch.setattr(workload, "sized_request", boom)
     with pytest.raises(RuntimeError, match="no request of that size"):
         tune.ModelBench({"model": str(tiny_model_dir), "gpu_layers": 0}, (64,))
     assert len(closed) == 1

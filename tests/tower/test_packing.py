@@ -1,5 +1,8 @@
 """The packing module without llama.cpp: state layouts, canonical chunks and the decode groups."""
 
+import re
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -45,4 +48,13 @@ def test_the_policy_is_data():
     assert PACKING["cpu"].pack > 1 and PACKING["gpu"].pack >= PACKING["cpu"].pack  # a GPU wants more per call
     # a GPU's ubatch holds a full 512-token chunk of every packed prompt
     assert PACKING["gpu"].ubatch >= PACKING["gpu"].pack * 512
-    assert all(rule.evidence for rule in PACKING.values())
+
+
+def test_each_rule_names_the_page_section_its_measurements_are_on():
+    root = Path(__file__).resolve().parents[2]
+    for rule in PACKING.values():
+        page, _, anchor = rule.basis.partition("#")
+        headings = [line.lstrip("#").strip() for line in (root / page).read_text(encoding="utf-8").splitlines()
+                    if line.startswith("#")]
+        slugs = {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings}
+        assert anchor in slugs, rule.basis

@@ -15,10 +15,12 @@ from typing import Any
 import torch
 
 from clef_gguf.core import errors
+from clef_gguf.core.deps import need
 from clef_gguf.formats.files import SAFETENSORS_INDEX
 from clef_gguf.formats.safetensors import opened
 
-FORMAT = "nvfp4-pack-quantized"
+# compressed-tensors' compression format (``quantization_config.format``) of the NVFP4 checkpoints read here
+COMPRESSION = "nvfp4-pack-quantized"
 PACKED = ("weight_packed", "weight_scale", "weight_global_scale")
 ACTIVATION_SCALE = "input_global_scale"
 # Where the text model's tensors live in the two Hugging Face layouts of Qwen3.5.
@@ -48,17 +50,14 @@ def _read_json(path: Path) -> dict:
 
 def parse_quantization(config: dict, path: Path) -> Any:  # compressed-tensors' QuantizationConfig (untyped)
     """The ``quantization_config``, validated by compressed-tensors itself (the format's owner)."""
-    try:
-        from compressed_tensors.quantization import QuantizationConfig
-    except ImportError:
-        raise errors.MissingDependency("the nvfp4 backend needs compressed-tensors: "
-                                       "pip install 'clef-gguf[nvfp4]'", field="backend") from None
+    QuantizationConfig = need("compressed_tensors.quantization", "nvfp4", field="backend",
+                              what="the nvfp4 backend needs compressed-tensors").QuantizationConfig
     raw = config.get("quantization_config")
     with errors.mapped(CONFIG_ERRORS, field=FIELD,
                        what=f"{path}: quantization_config is not a compressed-tensors config"):
         parsed = QuantizationConfig.model_validate(raw)
-    if parsed.format != FORMAT:
-        raise errors.CorruptModel(f"{path}: format {parsed.format!r} is not {FORMAT!r}: the nvfp4 "
+    if parsed.format != COMPRESSION:
+        raise errors.CorruptModel(f"{path}: format {parsed.format!r} is not {COMPRESSION!r}: the nvfp4 "
                                   "backend runs NVFP4 checkpoints only", field=FIELD)
     return parsed
 

@@ -28,7 +28,7 @@ FALLBACK = {True: "dequantizing fallback, layer by layer (W4A4 activations fake-
 DEQUANTIZED = {True: "dense weights dequantized once at load (W4A4 activations fake-quantized)",
                False: "dense weights dequantized once at load (weights only)"}
 # Buffers whose dtype is the format's: Module.to(dtype) may move them but never cast them.
-FORMAT_BUFFERS = ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale")
+FIXED_DTYPE_BUFFERS = ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale")
 
 
 @functools.lru_cache(maxsize=None)
@@ -119,7 +119,7 @@ class NVFP4Linear(torch.nn.Module):
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> NVFP4Linear:
         # Module.to(dtype) casts every floating tensor, fp8 scales and fp32 global scales included;
         # those keep their dtype and only follow the device.
-        fixed = {name: tensor for name in FORMAT_BUFFERS if (tensor := self._buffers.get(name)) is not None}
+        fixed = {name: tensor for name in FIXED_DTYPE_BUFFERS if (tensor := self._buffers.get(name)) is not None}
         for name in fixed:
             del self._buffers[name]
         try:

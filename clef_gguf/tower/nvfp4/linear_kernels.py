@@ -14,6 +14,8 @@ import inspect
 from types import ModuleType
 from typing import Any
 
+from clef_gguf.core.deps import install_hint
+
 # transformers' name of each function -> the package that replaces it, as pip spells it
 PACKAGES = {"torch_chunk_gated_delta_rule": "flash-linear-attention",
             "torch_recurrent_gated_delta_rule": "flash-linear-attention",
@@ -50,5 +52,5 @@ def describe(kernels: dict[str, str]) -> str:
     fast = sorted({k.split(".")[0] for k in kernels.values() if k not in (REFERENCE, "unknown")})
     said = f"linear attention kernels: {', '.join(fast) or 'none'} fast"
     if slow:
-        said += f"; {REFERENCE} for {', '.join(slow)} (not installed: slow on a GPU; pip install 'clef-gguf[fla]')"
+        said += f"; {REFERENCE} for {', '.join(slow)} (not installed: slow on a GPU; {install_hint('fla')})"
     return said

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from clef_gguf.core import errors
+from clef_gguf.core.deps import need
 from clef_gguf.tower.nvfp4.checkpoint import ACTIVATION_SCALE, PACKED, Checkpoint
 from clef_gguf.tower.nvfp4.kernels import NVFP4Linear
 
@@ -32,12 +33,9 @@ logging.getLogger("transformers.integrations.hub_kernels").setLevel(logging.ERRO
 
 
 def _transformers() -> tuple[ModuleType, ModuleType]:
-    try:
-        from transformers.models.qwen3_5 import configuration_qwen3_5, modeling_qwen3_5
-    except ImportError:
-        raise errors.MissingDependency("the nvfp4 backend needs transformers (its Qwen3.5 modules): "
-                                       "pip install 'clef-gguf[nvfp4]'", field="backend") from None
-    return configuration_qwen3_5, modeling_qwen3_5
+    why = "the nvfp4 backend needs transformers (its Qwen3.5 modules)"
+    configs = need("transformers.models.qwen3_5.configuration_qwen3_5", "nvfp4", what=why, field="backend")
+    return configs, need("transformers.models.qwen3_5.modeling_qwen3_5", "nvfp4", what=why, field="backend")
 
 
 def text_config(checkpoint: Checkpoint) -> Qwen3_5TextConfig:

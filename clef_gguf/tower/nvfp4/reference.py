@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from clef_gguf.core.deps import need
 from clef_gguf.tower.nvfp4 import format as fmt
 from clef_gguf.tower.nvfp4.checkpoint import Checkpoint
 
@@ -24,8 +25,7 @@ def reference_model(release: str | Path, checkpoint: Checkpoint, *, dtype: torch
                     device: str | torch.device = "cpu") -> torch.nn.Module:
     """``release``'s ``Qwen3_5ForConditionalGeneration`` with ``checkpoint``'s quantized weights
     dequantized in place (in fp32, then cast with the model to ``dtype``), in eval mode on ``device``."""
-    import transformers
-
+    transformers = need("transformers", "nvfp4", what="the nvfp4 reference model needs transformers")
     ref = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(release, dtype=torch.float32).eval()
     for name in checkpoint.quantized:
         module = ref.get_submodule(name)

@@ -86,7 +86,7 @@ def test_vision_adds_a_flash_shaped_vision_tower_that_answers_pictures(tmp_path,
     """``--vision``: the vision files beside the tower, hashed in the manifest, read by the runtime. The
     blocks are cut to 2 here (the real 27 write 0.9 GB); the widths, patches and processors are Flash's."""
     from clef_gguf.runtime.model import Clef
-    from clef_gguf.tools.bench import with_picture
+    from clef_gguf.tools.workload import with_picture
 
     monkeypatch.setitem(big.FLASH_VISION, "depth", 2)
     assert big.main([str(tmp_path / "m"), "--preset", "tiny256", "--outtype", "f32", "--vision"]) == 0

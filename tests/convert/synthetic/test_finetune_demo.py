@@ -1,4 +1,4 @@
-"""The random fine-tune (``convert.finetune_demo``) and ``clef-gguf demo --finetune``."""
+"""The random fine-tune (``convert.synthetic.finetune_demo``) and ``clef-gguf demo --finetune``."""
 
 from __future__ import annotations
 

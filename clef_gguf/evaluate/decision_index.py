@@ -1,5 +1,7 @@
-"""Per-benchmark numbers of a Decision Index suite (``evaluate.suite``): the kit's answer metrics from one
-model's lines, and for quants side by side their agreement with the reference and paired deltas.
+"""The Decision Index's numbers per benchmark (each of its data sets) of a suite (``evaluate.suite``): the
+kit's answer metrics from one model's lines, and for quants side by side their agreement with the
+reference and paired deltas. Named after the Decision Index: "benchmarks" alone are timings
+(``benchmarks/``, BENCHMARKS.md).
 
 Per benchmark: ``rows``; ``answered``; ``coverage`` = answered / rows; over the labelled questions of the
 answered rows ``accuracy`` (top option = the expected key) and ``macro_f1`` (F1 per option key, over the
@@ -16,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from clef_gguf.core.questions import winner
 from clef_gguf.evaluate import agreement, stats
 
 SHARES = ("accuracy", "case_exact", "coverage")
@@ -27,7 +30,7 @@ class Answers:
     all were right, and per option key the row's true positives, false positives and false negatives."""
 
     def __init__(self, lines: Sequence[dict[str, Any]], keys: Sequence[str] | None = None) -> None:
-        pairs = [[(q["option_ids"][int(np.argmax(q["probs"]))], q["option_ids"][t])
+        pairs = [[(q["option_ids"][winner(q["probs"])], q["option_ids"][t])
                   for qid, t in line.get("targets", {}).items()
                   for q in (line["questions"][qid],)] for line in lines]
         self.keys = list(keys) if keys is not None else sorted({k for row in pairs for pk in row for k in pk})

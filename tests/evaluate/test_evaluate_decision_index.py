@@ -1,4 +1,4 @@
-"""``evaluate.benchmarks``: accuracy, macro-F1 over option keys, case-exact and coverage per benchmark,
+"""``evaluate.decision_index``: accuracy, macro-F1 over option keys, case-exact and coverage per benchmark,
 checked against numbers worked out by hand, and the per-benchmark deltas of a quant to the reference."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from clef_gguf.evaluate import benchmarks
+from clef_gguf.evaluate import decision_index
 
 NOUL = ["true", "false"]
 TEAM = ["billing", "sales", "support"]
@@ -45,7 +45,7 @@ def f1(tp, fp, fn):
 
 
 def test_the_numbers_of_each_benchmark():
-    got = benchmarks.table(REFERENCE, BENCHMARKS, {"A": ["ndcg@10"]}, seed=0, resamples=200)
+    got = decision_index.table(REFERENCE, BENCHMARKS, {"A": ["ndcg@10"]}, seed=0, resamples=200)
     a, b = got["A"], got["B"]
     assert (a["rows"], a["answered"]) == (4, 3) and a["coverage"]["value"] == 0.75
     assert a["accuracy"]["k"] == 4 and a["accuracy"]["n"] == 6
@@ -68,22 +68,22 @@ def test_a_quant_against_the_reference_per_benchmark():
     model = list(REFERENCE)
     model[1] = line(1, {"u": (NOUL, "false"), "t": (TEAM, "billing")}, {"u": "false", "t": "billing"})  # now right
     model[5] = refused(5)
-    got = benchmarks.deltas(REFERENCE, model, BENCHMARKS, seed=0, resamples=200)
+    got = decision_index.deltas(REFERENCE, model, BENCHMARKS, seed=0, resamples=200)
     a, b = got["A"], got["B"]
     assert a["agreement"]["n"] == 6 and a["agreement"]["top1"] == pytest.approx(5 / 6)
     assert a["accuracy"]["delta"] == pytest.approx(1 / 6) and a["case_exact"]["delta"] == pytest.approx(1 / 3)
     assert a["coverage"] == 0 and a["rows_compared"] == 3
     assert b["coverage"] == -0.5 and b["rows_compared"] == 1 and b["accuracy"]["delta"] == 0
     assert not b["accuracy"]["significant"]
-    same = benchmarks.deltas(REFERENCE, REFERENCE, BENCHMARKS, seed=0, resamples=50)
-    assert all(same[n][m]["delta"] == 0 and same[n][m]["ci95"] == [0, 0] for n in "AB" for m in benchmarks.DELTAS
+    same = decision_index.deltas(REFERENCE, REFERENCE, BENCHMARKS, seed=0, resamples=50)
+    assert all(same[n][m]["delta"] == 0 and same[n][m]["ci95"] == [0, 0] for n in "AB" for m in decision_index.DELTAS
                if not math.isnan(same[n][m]["delta"]))
 
 
 def test_rows_are_paired_by_id_when_the_model_misses_one():
     # the model's run lacks row 0: rows 1 and 2 must meet their own reference rows, not their neighbours
     model = [REFERENCE[2], REFERENCE[1], *REFERENCE[3:]]
-    got = benchmarks.deltas(REFERENCE, model, BENCHMARKS, seed=0, resamples=50)["A"]
+    got = decision_index.deltas(REFERENCE, model, BENCHMARKS, seed=0, resamples=50)["A"]
     assert got["rows_compared"] == 2 and got["agreement"]["top1"] == 1.0
-    assert all(got[m]["delta"] == 0 and got[m]["ci95"] == [0, 0] for m in benchmarks.DELTAS)
+    assert all(got[m]["delta"] == 0 and got[m]["ci95"] == [0, 0] for m in decision_index.DELTAS)
     assert got["coverage"] == pytest.approx(-0.25)
