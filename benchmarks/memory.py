@@ -227,16 +227,17 @@ def _row(r: dict) -> str:
     known = (r["python_torch"] + r["tower_mapped"] + repack + r["head_weights"] + kv + compute + r["head_activations"]
              + r.get("state_cache", 0))
     g = lambda n: f"{n / GiB:.2f}"  # noqa: E731
-    return (f"| {r['scenario']} | {r['tokens']:,} | {g(r['tower_file'])} | {g(r['peak_rss'])} ({r['peak_stage']}) | "
+    return (f"| {r['scenario']} | {r['tokens']:,} | {r['max_length']:,} | {g(r['tower_file'])} | "
+            f"{g(r['peak_rss'])} ({r['peak_stage']}) | "
             f"**{g(r['peak_rss'] - r['tower_file'])}** | {g(r['decision_peak_rss'])} | "
             f"{g(r['python_torch'])} | {g(r['tower_mapped'])} + {g(repack)} | {g(r['head_weights'])} | "
             f"{g(kv)} | {g(compute)} | {g(r['head_activations'])} | {g(r.get('state_cache', 0))} | "
             f"{g(r['decision_peak_rss'] - known)} |")
 
 
-HEADER = ("| scenario | prompt tokens | tower file | peak RSS (stage) | beyond the file | decision's peak | "
+HEADER = ("| scenario | prompt tokens | context | tower file | peak RSS (stage) | beyond the file | decision's peak | "
           "python+torch | tower resident (mapped + repacked) | head | kv+recurrent | compute+output | "
-          "head activations | state cache | rest |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "head activations | state cache | rest |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def main() -> None:

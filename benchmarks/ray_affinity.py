@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 
 from clef_gguf import Clef
-from clef_gguf.server.http import free_port
+from clef_gguf.tools.bench_server import launch_server, stop_server
 
 SETS = [{"urgent": {"type": "noul"}},
         {"refund": {"type": "noul", "instructions": "Should we refund?"},
@@ -38,34 +38,26 @@ SETS = [{"urgent": {"type": "noul"}},
         {"team": {"type": "choice", "criteria": {"billing": None, "shipping": None, "returns": None}}}]
 
 
-def _metric(url: str, name: str) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            labels, _, value = line.rpartition(" ")
-            out[labels[len(name):]] = float(value)
-    return out
+def _metric(url: str, name: str) -> dict[tuple, float]:
+    """Each sample of ``name`` in the ingress's /metrics, by its labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return {tuple(sorted(s.labels.items())): s.value for family in text_string_to_metric_families(text)
+            for s in family.samples if s.name == name}
 
 
 def _serve(model: str, routing: str, replicas: int, threads: int, log: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "clef_gguf.server", "--model", model, "--engine", "ray-serve",
-                             "--replicas", str(replicas), "--threads", str(threads), "--routing", routing,
-                             "--max-length", "2048", "--port", str(port)],
-                            stdout=log.open("w"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server stopped: {log.read_text()[-2000:]}")
-        try:
-            if len(_metric(url, "clef_replica_info")) == replicas:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit("the replicas did not come up within 300 s")
+    """A fresh ``serve --engine ray-serve``, returned once its ingress lists all ``replicas``."""
+    return launch_server(["--model", model, "--engine", "ray-serve", "--replicas", str(replicas),
+                          "--threads", str(threads), "--routing", routing, "--max-length", "2048"], log,
+                         ready=lambda url: _up(url, replicas))
+
+
+def _up(url: str, replicas: int) -> bool:
+    # /health first: until the ingress is deployed Ray's proxy answers /metrics with a 404 page.
+    return (httpx.get(url + "/health", timeout=5).status_code == 200
+            and len(_metric(url, "clef_replica_info")) == replicas)
 
 
 def _post(url: str, body: dict) -> tuple[float, httpx.Response]:
@@ -101,13 +93,9 @@ def measure(model: str, routing: str, args: argparse.Namespace, asked: list[dict
         return {"routing": routing, "hits": hits, "repeats": repeats, "per_s": len(asked) / wall,
                 "p50": statistics.median(latency), "p95": latency[int(0.95 * (len(latency) - 1))],
                 "failed": failed, "equal": equal,
-                "retried": _metric(url, "clef_routing_total").get('{choice="retried"}', 0)}
+                "retried": _metric(url, "clef_routing_total").get((("choice", "retried"),), 0)}
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc, grace=120)
 
 
 def main() -> None:

@@ -28,6 +28,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -147,30 +148,58 @@ def level(url: str, concurrency: int, total: int, expected: list[bytes], bodies:
             "p95_ms": round(percentile(latencies, 0.95) * 1000, 1) if latencies else None}
 
 
-def start_server(args, log_path: Path) -> tuple[subprocess.Popen, str]:
+def _healthy(url: str) -> bool:
+    return httpx.get(f"{url}/health", timeout=5).status_code == 200
+
+
+def launch_server(server_args: list[str], log_path: Path, ready: Callable[[str], bool] = _healthy,
+                  timeout: float = 300) -> tuple[subprocess.Popen, str]:
+    """``python -m clef_gguf.server SERVER_ARGS --port P`` on a free port, its output in ``log_path``;
+    returned with its URL once ``ready(url)`` holds (by default: ``/health`` answers 200).
+
+    Raises ClefError with the log's tail when the server exits first or is not ready in ``timeout`` s.
+    """
     port = free_port()
-    cmd = module_command("clef_gguf.server", "--model", args.model, "--port", str(port),
-                         "--queue-size", str(max(64, max(args.concurrency) * 2)),
-                         "--max-length", str(args.max_length))
-    if args.threads:
-        cmd += ["--threads", str(args.threads)]
-    if args.state_cache_mb is not None:
-        cmd += ["--state-cache-mb", str(args.state_cache_mb)]
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(module_command("clef_gguf.server", *server_args, "--port", str(port)),
+                                stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise ClefError(f"the server exited ({proc.returncode}):\n{log_path.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    proc.kill()
-    raise ClefError("the server did not become healthy in 300 s")
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise ClefError(f"the server exited ({proc.returncode}):\n{log_path.read_text()[-3000:]}")
+            try:
+                if ready(url):
+                    return proc, url
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+    except BaseException:
+        stop_server(proc)  # a failing check (or Ctrl-C) leaves no server behind
+        raise
+    stop_server(proc)
+    raise ClefError(f"the server was not ready in {timeout:.0f} s:\n{log_path.read_text()[-3000:]}")
+
+
+def stop_server(proc: subprocess.Popen, grace: float = 60) -> None:
+    """SIGTERM first (a Ray Serve server then stops its Ray processes too), SIGKILL after ``grace`` s."""
+    proc.terminate()
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def start_server(args, log_path: Path) -> tuple[subprocess.Popen, str]:
+    server_args = ["--model", args.model, "--queue-size", str(max(64, max(args.concurrency) * 2)),
+                   "--max-length", str(args.max_length)]
+    if args.threads:
+        server_args += ["--threads", str(args.threads)]
+    if args.state_cache_mb is not None:
+        server_args += ["--state-cache-mb", str(args.state_cache_mb)]
+    return launch_server(server_args, log_path)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -215,8 +244,7 @@ def _measure(args: argparse.Namespace, log_path: Path) -> tuple[list[dict], int]
         rows = [level(url, c, max(args.requests, c), expected, bodies, tolerance) for c in args.concurrency]
     finally:
         if proc is not None:
-            proc.terminate()
-            proc.wait(60)
+            stop_server(proc)
     return rows, tokens
 
 

@@ -94,14 +94,13 @@ def _post_all(url: str, requests: list[dict], clients: int) -> list[httpx.Respon
         return list(pool.map(lambda body: httpx.post(url + "/v1/systemone", json=body, timeout=300), requests))
 
 
-def _metric(url: str, name: str) -> dict[str, float]:
-    """Each sample of ``name`` in the ingress's /metrics, by its labels' text."""
-    out = {}
-    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            labels, _, value = line.rpartition(" ")
-            out[labels[len(name):]] = float(value)
-    return out
+def _metric(url: str, name: str) -> dict[tuple, float]:
+    """Each sample of ``name`` in the ingress's /metrics, by its labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return {tuple(sorted(s.labels.items())): s.value for family in text_string_to_metric_families(text)
+            for s in family.samples if s.name == name}
 
 
 def test_ray_serve_routes_each_state_to_its_replica_and_loses_no_request_when_one_dies(tiny_model_dir, tmp_path):
@@ -144,8 +143,8 @@ def test_ray_serve_routes_each_state_to_its_replica_and_loses_no_request_when_on
         while sum(_metric(url, "clef_decisions_total").values()) < 40 and time.monotonic() < deadline:
             time.sleep(0.5)  # the replicas' stats reach the routers every second
         assert sum(_metric(url, "clef_decisions_total").values()) == 40
-        assert _metric(url, "clef_routing_total")['{choice="affinity"}'] >= 27
-        pids = [int(k.split('pid="')[1].split('"')[0]) for k in _metric(url, "clef_replica_info")]
+        assert _metric(url, "clef_routing_total")[(("choice", "affinity"),)] >= 27
+        pids = [int(dict(labels)["pid"]) for labels in _metric(url, "clef_replica_info")]
         assert len(pids) == 2
 
         import concurrent.futures
@@ -158,6 +157,6 @@ def test_ray_serve_routes_each_state_to_its_replica_and_loses_no_request_when_on
             answered = flight.result()
         assert [a.status_code for a in answered] == [200] * 24, [a.text for a in answered if a.status_code != 200]
         assert [a.json()["answers"] for a in answered] == want_long
-        assert _metric(url, "clef_routing_total").get('{choice="retried"}', 0) >= 1
+        assert _metric(url, "clef_routing_total").get((("choice", "retried"),), 0) >= 1
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(120) == 0
