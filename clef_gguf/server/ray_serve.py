@@ -203,6 +203,12 @@ def application(settings: LoadSettings, app_factory: Callable, app_kwargs: dict,
     return ingress.bind(model.bind(settings, app_factory, app_kwargs), app_kwargs)
 
 
+# Ray Serve gives its HTTP proxy 5 s to answer a readiness check and replaces it after three misses; while
+# the replicas load, or other programs keep the cores busy, the proxy's first answer can take longer, and
+# ``serve.start`` then fails. The Ray started here waits a minute instead (a value the user set wins).
+PROXY_PATIENCE = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60"}
+
+
 def run(args: argparse.Namespace, app_factory: Callable) -> int:
     """Start Ray (``$RAY_ADDRESS``, else a private one), deploy, serve until Ctrl-C / SIGTERM."""
     ray = need("ray", "ray")
@@ -220,6 +226,8 @@ def run(args: argparse.Namespace, app_factory: Callable) -> int:
         start_ray(ray, address=address, logging_level=logging.WARNING)
     else:
         logging.getLogger("ray._private.authentication").setLevel(logging.ERROR)
+        for name, value in PROXY_PATIENCE.items():  # Ray's processes inherit this environment
+            os.environ.setdefault(name, value)
         start_ray(ray, address="local", num_cpus=max(available_cpus(), args.replicas * threads),
                   include_dashboard=False, logging_level=logging.WARNING)
     stop = threading.Event()
