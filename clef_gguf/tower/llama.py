@@ -407,8 +407,8 @@ class LlamaContext:
         itself llama.cpp makes the last one, which runs the 248,320-row lm_head for a row nothing reads
         (and reads its whole weight matrix into memory: 0.8 GB of a 9B Q4_K_M's file)."""
         batch = ll.llama_batch_get_one(ids.ctypes.data_as(ctypes.POINTER(ll.llama_token)), len(ids))
-        flags = np.zeros(len(ids), dtype=np.int8)  # alive until the decode returns
         if self.nextn:
+            flags = np.zeros(len(ids), dtype=np.int8)  # a local: alive until the decode returns
             batch.logits = flags.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
         self.decode(batch)
 
